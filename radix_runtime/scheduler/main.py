@@ -1,0 +1,186 @@
+"""The scheduler process: `python -m radix_runtime.scheduler.main` (started by the launcher)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import msgspec
+import zmq
+
+from radix_runtime import messages as m
+from radix_runtime.config import ServerArgs
+from radix_runtime.utils.procs import (
+    configure_logging,
+    endpoint,
+    install_child_signal_handlers,
+    read_child_payload,
+    set_process_title,
+    zmq_socket,
+)
+
+logger = logging.getLogger("radix_runtime.scheduler")
+
+
+class WorkerLost(RuntimeError):
+    pass
+
+
+class SchedulerProcess:
+    def __init__(self, args: ServerArgs, ipc_dir: str):
+        self.args = args
+        self.ctx = zmq.Context()
+        self.from_tok = zmq_socket(self.ctx, zmq.PULL, endpoint(ipc_dir, "scheduler"), bind=True)
+        self.to_tok = zmq_socket(self.ctx, zmq.PUSH, endpoint(ipc_dir, "tokenizer"), bind=False)
+        self.from_worker = zmq_socket(
+            self.ctx, zmq.PULL, endpoint(ipc_dir, "scheduler_w"), bind=True
+        )
+        self.to_worker = zmq_socket(self.ctx, zmq.PUSH, endpoint(ipc_dir, "worker"), bind=False)
+        self.scheduler = None
+        self.running = True
+
+    # -- startup ---------------------------------------------------------------------------
+
+    def wait_worker_ready(self, timeout: float = 3600.0) -> m.WorkerReady:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self._recv_worker(timeout_ms=1000)
+            if isinstance(msg, m.WorkerReady):
+                return msg
+        raise WorkerLost("the worker did not become ready in time")
+
+    def start(self) -> None:
+        from radix_runtime.scheduler.scheduler import Scheduler
+
+        ready = self.wait_worker_ready()
+        self.scheduler = Scheduler(self.args, ready)
+        self.send_tok(
+            m.SchedulerReady(
+                max_total_tokens=self.scheduler.capacity_tokens,
+                page_size=ready.page_size,
+                context_length=ready.context_length,
+                vocab_size=ready.vocab_size,
+                max_running_requests=self.args.max_running_requests,
+            )
+        )
+        logger.info(
+            "ready: %d pages of %d tokens, context %d, policy %s, radix cache %s",
+            self.scheduler.allocator.total_pages,
+            ready.page_size,
+            ready.context_length,
+            self.args.schedule_policy,
+            "off" if self.args.disable_radix_cache else "on",
+        )
+
+    # -- messaging -------------------------------------------------------------------------
+
+    def send_tok(self, msg) -> None:
+        self.to_tok.send(m.encode(msg), copy=False)
+
+    def _decode(self, frame: bytes, source: str):
+        try:
+            return m.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning(
+                "dropped a malformed frame from %s (%d bytes): %s", source, len(frame), exc
+            )
+            return None
+
+    def _recv_worker(self, timeout_ms: int):
+        if not self.from_worker.poll(timeout_ms):
+            return None
+        msg = self._decode(self.from_worker.recv(), "worker")
+        if isinstance(msg, m.FatalError):
+            self.send_tok(msg)
+            raise WorkerLost(f"the worker failed: {msg.message}")
+        return msg
+
+    def handle(self, msg) -> None:
+        sched = self.scheduler
+        if isinstance(msg, m.GenerateReq):
+            sched.add_request(msg)
+        elif isinstance(msg, m.AbortReq):
+            sched.abort(msg.rid)
+        elif isinstance(msg, m.ServerInfoReq):
+            self.send_tok(sched.server_info())
+        elif isinstance(msg, m.FlushCacheReq):
+            self.send_tok(sched.flush_cache())
+        elif isinstance(msg, m.ShutdownReq):
+            self.running = False
+        elif msg is not None:
+            logger.warning("ignored an unexpected %s from the tokenizer", type(msg).__name__)
+
+    def drain_tokenizer(self, timeout_ms: int) -> None:
+        if not self.from_tok.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.from_tok.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(self._decode(frame, "tokenizer"))
+
+    def run_step(self, batch: m.ForwardBatch, plan) -> None:
+        self.to_worker.send(m.encode(batch), copy=False)
+        deadline = time.monotonic() + self.args.watchdog_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                message = (
+                    f"the worker did not finish step {batch.step} within "
+                    f"{self.args.watchdog_timeout:.0f}s (--watchdog-timeout); tearing down"
+                )
+                logger.error(message)
+                self.send_tok(m.FatalError(role="worker", message=message))
+                raise WorkerLost(message)
+            msg = self._recv_worker(timeout_ms=int(min(remaining, 1.0) * 1000) + 1)
+            if isinstance(msg, m.ForwardResult) and msg.step == batch.step:
+                self.scheduler.process_result(plan, msg)
+                return
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def loop(self) -> None:
+        sched = self.scheduler
+        checked_idle = False
+        while self.running:
+            self.drain_tokenizer(timeout_ms=0 if sched.has_work() else 500)
+            scheduled = sched.schedule()
+            if scheduled is not None:
+                self.run_step(*scheduled)
+                checked_idle = False
+            outputs = sched.take_outputs()
+            if outputs:
+                self.send_tok(m.BatchOutput(outputs=outputs))
+            if not sched.has_work() and not checked_idle:
+                sched.check_integrity()  # NOTE: a real check; a failure is a bug, so it is fatal
+                checked_idle = True
+        self.to_worker.send(m.encode(m.ShutdownReq()))
+
+
+def main() -> None:
+    payload = read_child_payload()
+    args = ServerArgs.from_json(payload["args"])
+    set_process_title("scheduler")
+    configure_logging(args.log_level, "scheduler")
+    install_child_signal_handlers()
+    proc = SchedulerProcess(args, payload["ipc_dir"])
+    try:
+        proc.start()
+        proc.loop()
+    except WorkerLost as exc:
+        logger.error("%s", exc)
+        sys.exit(3)
+    except Exception as exc:
+        logger.exception("scheduler crashed")
+        try:
+            proc.send_tok(m.FatalError(role="scheduler", message=f"{type(exc).__name__}: {exc}"))
+            time.sleep(0.1)
+        finally:
+            os._exit(2)
+
+
+if __name__ == "__main__":
+    main()

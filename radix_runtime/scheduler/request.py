@@ -1,0 +1,78 @@
+"""A request as the scheduler sees it: token ids, the pages holding their KV, and its progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radix_runtime.messages import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt: np.ndarray  # int32
+    sampling: SamplingParams
+    arrival: int  # monotonically increasing arrival index (fcfs order)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+
+    # KV state. `pages[:tree_pages]` belong to the radix tree (held by the lock on `node`);
+    # the rest belong to this request. KV is computed for all_ids[:kv_len].
+    pages: list[int] = field(default_factory=list)
+    tree_pages: int = 0
+    node: object | None = None  # radix_cache.TreeNode, locked while the request runs
+    kv_len: int = 0
+    slot: int | None = None
+    sent_pages: int = 0  # how many entries of `pages` the worker's page table already holds
+    slot_started: bool = False  # the worker has seen this request in its slot
+
+    # accounting
+    cached_tokens: int = -1  # prefix length matched the first time the request was scheduled
+    retractions: int = 0
+    finish_reason: str | None = None
+    matched_stop: int | None = None
+
+    @property
+    def all_len(self) -> int:
+        return len(self.prompt) + len(self.output_ids)
+
+    def all_ids(self) -> np.ndarray:
+        if not self.output_ids:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.output_ids, dtype=np.int32)])
+
+    def ids_slice(self, start: int, stop: int) -> np.ndarray:
+        """all_ids()[start:stop] without concatenating the whole history."""
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        tail = np.asarray(self.output_ids[max(0, start - n) : stop - n], dtype=np.int32)
+        if start >= n:
+            return tail
+        return np.concatenate([self.prompt[start:], tail])
+
+    @property
+    def remaining_fill(self) -> int:
+        """Tokens still to compute before the next token can be sampled."""
+        return self.all_len - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.state is ReqState.RUNNING and self.remaining_fill == 1 and bool(self.output_ids)
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.sampling.max_new_tokens == 0

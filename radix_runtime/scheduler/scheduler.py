@@ -1,0 +1,496 @@
+"""The scheduler: owns every decision about KV memory and batching. Torch-free.
+
+One step reads as three lines (see `scheduler/main.py`): schedule, run on the worker, process the
+result. `schedule()` builds a mixed batch: every decoding request gets one token, and prefill
+chunks fill the rest of the token budget (chunked prefill), continuing requests first, then new
+ones in policy order. Memory pressure is met by evicting cached prefixes first, then by retracting
+running requests (their computed KV goes into the tree, so the retry mostly hits the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from radix_runtime.config import ServerArgs
+from radix_runtime.messages import (
+    CacheStats,
+    FlushCacheDone,
+    ForwardBatch,
+    ForwardReq,
+    ForwardResult,
+    GenerateReq,
+    ReqOutput,
+    ServerInfo,
+    WorkerReady,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+)
+from radix_runtime.scheduler.allocator import PageAllocator
+from radix_runtime.scheduler.cache import make_radix_cache
+from radix_runtime.scheduler.policy import order_waiting
+from radix_runtime.scheduler.request import Req, ReqState
+
+logger = logging.getLogger(__name__)
+
+# A waiting request that shares at least this many not-yet-cached tokens with a request admitted
+# in the same step waits one step, so the shared prefix is computed once and then matched.
+IN_BATCH_SHARE_THRESHOLD = 32
+
+
+@dataclass
+class PlannedReq:
+    req: Req
+    num_tokens: int
+    sample: bool
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, worker: WorkerReady):
+        self.args = args
+        self.page_size = worker.page_size
+        self.context_length = worker.context_length
+        self.vocab_size = worker.vocab_size
+        self.eos_ids = set(worker.eos_token_ids)
+        self.allocator = PageAllocator(worker.num_pages)
+        self.cache = make_radix_cache(
+            args.radix_tree_impl, self.page_size, self.allocator, disable=args.disable_radix_cache
+        )
+        self.max_running = args.max_running_requests
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.free_slots = list(range(self.max_running - 1, -1, -1))
+        self.released_slots: list[int] = []
+        self.outbox: list[ReqOutput] = []  # replies for the tokenizer process, sent after each step
+        self.step_id = 0
+        self.arrivals = 0
+        # statistics
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.decode_steps = 0
+        self.retractions = 0
+        self.integrity_checks = 0
+
+    # -----------------------------------------------------------------------------------------
+    # requests in
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.total_pages * self.page_size
+
+    def add_request(self, msg: GenerateReq) -> None:
+        prompt = unpack_ids(msg.input_ids).copy()
+        error = self._reject_reason(msg, prompt)
+        if error is not None:
+            message, code = error
+            self.outbox.append(
+                ReqOutput(rid=msg.rid, finish_reason="error", error=message, error_code=code)
+            )
+            return
+        req = Req(
+            rid=msg.rid,
+            prompt=prompt,
+            sampling=msg.sampling,
+            arrival=self.arrivals,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+        )
+        self.arrivals += 1
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def _reject_reason(self, msg: GenerateReq, prompt: np.ndarray) -> tuple[str, str] | None:
+        if msg.rid in self.reqs:
+            return f"duplicate request id {msg.rid!r}", "duplicate_request_id"
+        if len(prompt) == 0:
+            return "the prompt is empty", "invalid_prompt"
+        if prompt.min() < 0 or prompt.max() >= self.vocab_size:
+            return f"token ids must be in [0, {self.vocab_size})", "invalid_token_id"
+        if len(prompt) >= self.context_length:
+            return (
+                f"the prompt has {len(prompt)} tokens; the context holds {self.context_length}",
+                "context_length_exceeded",
+            )
+        if len(prompt) + 1 > self.capacity_tokens:
+            return (
+                f"the prompt needs {len(prompt) + 1} tokens of KV cache but the pool holds "
+                f"{self.capacity_tokens} (--max-total-tokens)",
+                "kv_cache_too_small",
+            )
+        return None
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        if req.state is ReqState.WAITING:
+            self.waiting.remove(req)
+        elif req.state is ReqState.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        self.outbox.append(self._finish(req, "abort"))
+
+    # -----------------------------------------------------------------------------------------
+    # schedule
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[ForwardBatch, list[PlannedReq]] | None:
+        plan: list[PlannedReq] = []
+        self._schedule_decodes(plan)
+        budget = max(self.args.chunked_prefill_size - len(plan), 0)
+        budget = self._schedule_running_prefills(plan, budget)
+        self._schedule_waiting(plan, budget)
+        if not plan and len(self.running) > 1:
+            # every running request is mid-prefill and none can grow: free the newest one's pages
+            self._retract(max(self.running, key=lambda r: r.arrival))
+            return self.schedule()
+        if not plan:
+            return None
+        self.step_id += 1
+        batch = ForwardBatch(
+            step=self.step_id,
+            reqs=[self._forward_req(p) for p in plan],
+            released_slots=self._take_released_slots(),
+        )
+        return batch, plan
+
+    def _schedule_decodes(self, plan: list[PlannedReq]) -> None:
+        decoders = [r for r in self.running if r.is_decoding]
+        # every decoder whose next token starts a new page needs one; retract until they fit
+        while decoders:
+            need = sum(1 for r in decoders if self._pages_needed(r, 1) > 0)
+            if self._available_pages() >= need:
+                break
+            victim = max(decoders, key=lambda r: r.arrival)
+            if len(self.running) == 1:
+                # alone and out of memory: it can never grow, so it ends here
+                self.running.remove(victim)
+                self._release(victim)
+                self.outbox.append(self._finish(victim, "length"))
+                decoders.remove(victim)
+                continue
+            self._retract(victim)
+            decoders.remove(victim)
+        for req in decoders:
+            ok = self._grow_pages(req, req.kv_len + 1)
+            assert ok, "pages were counted as available"
+            plan.append(PlannedReq(req, 1, True))
+        if decoders:
+            self.decode_steps += 1
+
+    def _schedule_running_prefills(self, plan: list[PlannedReq], budget: int) -> int:
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.is_decoding or req.remaining_fill <= 0:
+                continue
+            n = min(budget, req.remaining_fill)
+            if not self._grow_pages(req, req.kv_len + n):
+                break
+            plan.append(PlannedReq(req, n, req.kv_len + n == req.all_len and not req.prefill_only))
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, plan: list[PlannedReq], budget: int) -> None:
+        if not self.waiting or budget <= 0:
+            return
+        ordered = order_waiting(
+            self.args.schedule_policy,
+            self.waiting,
+            match_len=lambda r: self._match(r).length,
+            match_node=lambda r: self._match(r).node,
+        )
+        admitted: list[Req] = []
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.max_running or not self.free_slots:
+                break
+            match = self._match(req)
+            if self._shares_uncached_prefix(req, match.length, admitted):
+                continue
+            self.cache.lock(match.node)
+            req.node = match.node
+            req.pages = [int(p) for p in match.pages]
+            req.tree_pages = len(req.pages)
+            req.kv_len = match.length
+            n = min(budget, req.remaining_fill)
+            # keep room for the running decoders' next page so admission never forces a retraction
+            reserve = sum(1 for r in self.running if r.is_decoding)
+            if self._available_pages() - reserve < self._pages_needed(
+                req, n
+            ) or not self._grow_pages(req, req.kv_len + n):
+                self.cache.unlock(req.node)
+                req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
+                break
+            if req.cached_tokens < 0:
+                req.cached_tokens = match.length
+                self.prompt_tokens_total += len(req.prompt)
+                self.cached_tokens_total += match.length
+            req.slot = self.free_slots.pop()
+            req.sent_pages = 0
+            req.state = ReqState.RUNNING
+            self.waiting.remove(req)
+            self.running.append(req)
+            admitted.append(req)
+            plan.append(PlannedReq(req, n, req.kv_len + n == req.all_len and not req.prefill_only))
+            budget -= n
+
+    def _match(self, req: Req):
+        """Longest cached prefix, always leaving one token to compute (and the prompt positions
+        whose logprobs were asked for)."""
+        limit = req.all_len - 1
+        if req.logprob_start_len >= 0:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return self.cache.match_prefix(req.ids_slice(0, limit))
+
+    def _shares_uncached_prefix(self, req: Req, cached: int, admitted: list[Req]) -> bool:
+        if self.cache.disable:
+            return False
+        for other in admitted:
+            n = min(len(req.prompt), len(other.prompt))
+            if n - cached < IN_BATCH_SHARE_THRESHOLD:
+                continue
+            a, b = req.prompt[cached:n], other.prompt[cached:n]
+            diff = np.flatnonzero(a != b)
+            shared = len(a) if len(diff) == 0 else int(diff[0])
+            if shared >= IN_BATCH_SHARE_THRESHOLD:
+                return True
+        return False
+
+    def _forward_req(self, p: PlannedReq) -> ForwardReq:
+        req = p.req
+        new_slot = not req.slot_started
+        start = req.kv_len
+        ids = req.ids_slice(start, start + p.num_tokens)
+        want_prompt_lp = req.logprob_start_len >= 0 and start < len(req.prompt)
+        next_token = -1
+        if want_prompt_lp and start + p.num_tokens < len(req.prompt):
+            next_token = int(req.prompt[start + p.num_tokens])
+        fr = ForwardReq(
+            slot=req.slot,
+            input_ids=pack_ids(ids),
+            start_pos=start,
+            page_offset=req.sent_pages,
+            new_pages=pack_ids(req.pages[req.sent_pages :]),
+            new_slot=new_slot,
+            sample=p.sample,
+            sampling=req.sampling if new_slot else None,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            prompt_logprobs=want_prompt_lp,
+            next_token=next_token,
+        )
+        req.slot_started = True
+        req.sent_pages = len(req.pages)
+        return fr
+
+    # -----------------------------------------------------------------------------------------
+    # results
+
+    def process_result(self, plan: list[PlannedReq], result: ForwardResult) -> None:
+        outputs = self.outbox
+        for p, res in zip(plan, result.results):
+            req = p.req
+            if req.state is not ReqState.RUNNING:  # aborted while the step ran
+                continue
+            start = req.kv_len
+            req.kv_len += p.num_tokens
+            out = ReqOutput(
+                rid=req.rid, prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens
+            )
+            has_news = False
+            if res.prompt_logprobs:
+                lps = unpack_floats(res.prompt_logprobs)
+                first = start + 1
+                keep = max(req.logprob_start_len, first) - first
+                if keep < len(lps):
+                    out.prompt_logprob_start = first + keep
+                    out.prompt_logprobs = pack_floats(lps[keep:])
+                    has_news = True
+            if p.sample:
+                token = int(res.next_id)
+                req.output_ids.append(token)
+                out.new_ids = pack_ids([token])
+                if req.return_logprob:
+                    out.output_logprobs = pack_floats([res.logprob])
+                    out.top_ids, out.top_logprobs = res.top_ids, res.top_logprobs
+                has_news = True
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    self.running.remove(req)
+                    self._release(req)
+                    finished = self._finish(req, reason)
+                    out.finish_reason, out.matched_stop = finished.finish_reason, req.matched_stop
+                elif start < len(req.prompt) or p.num_tokens > 1:
+                    self._cache_unfinished(req)
+            elif req.prefill_only and req.kv_len >= req.all_len:
+                self.running.remove(req)
+                self._release(req)
+                out.finish_reason = self._finish(req, "length").finish_reason
+                has_news = True
+            else:
+                self._cache_unfinished(req)
+            if has_news:
+                outputs.append(out)
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        sp = req.sampling
+        if not sp.ignore_eos and token in self.eos_ids:
+            req.matched_stop = token
+            return "stop"
+        if token in sp.stop_token_ids:
+            req.matched_stop = token
+            return "stop"
+        if len(req.output_ids) >= sp.max_new_tokens or req.all_len >= self.context_length:
+            return "length"
+        return None
+
+    def _finish(self, req: Req, reason: str) -> ReqOutput:
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason
+        self.reqs.pop(req.rid, None)
+        return ReqOutput(
+            rid=req.rid,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt),
+            cached_tokens=max(req.cached_tokens, 0),
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # pages: the one place that frees a request's pages is _release
+
+    def _available_pages(self) -> int:
+        return self.allocator.free_pages + self.cache.evictable_pages
+
+    def _pages_needed(self, req: Req, n: int) -> int:
+        return max(math.ceil((req.kv_len + n) / self.page_size) - len(req.pages), 0)
+
+    def _grow_pages(self, req: Req, kv_len: int) -> bool:
+        need = max(math.ceil(kv_len / self.page_size) - len(req.pages), 0)
+        if need == 0:
+            return True
+        if self.allocator.free_pages < need:
+            self.cache.evict(need - self.allocator.free_pages)
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(int(p) for p in pages)
+        return True
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Put the computed prefix of a running request into the tree, so requests arriving now
+        can share it, and swap the request's lock to the deeper node."""
+        if self.cache.disable:
+            return
+        aligned = req.kv_len // self.page_size * self.page_size
+        n_pages = aligned // self.page_size
+        if n_pages <= req.tree_pages:
+            return
+        ids = req.ids_slice(0, aligned)
+        res = self.cache.insert(ids, np.asarray(req.pages[:n_pages], dtype=np.int32))
+        dup_hi = res.prefix_len // self.page_size
+        match = self.cache.match_prefix(ids)
+        assert match.length == aligned, (match.length, aligned)
+        if dup_hi > req.tree_pages:
+            # someone else cached these tokens first: use their pages, free ours
+            self.allocator.free(req.pages[req.tree_pages : dup_hi])
+            req.pages[req.tree_pages : dup_hi] = [
+                int(p) for p in match.pages[req.tree_pages : dup_hi]
+            ]
+            req.sent_pages = min(req.sent_pages, req.tree_pages)
+        self.cache.lock(match.node)
+        self.cache.unlock(req.node)
+        req.node = match.node
+        req.tree_pages = n_pages
+
+    def _release(self, req: Req) -> None:
+        """Give a request's pages back: computed full pages to the tree, the rest to the free list."""
+        if req.node is not None:
+            aligned = req.kv_len // self.page_size * self.page_size
+            n_pages = aligned // self.page_size
+            res = self.cache.insert(
+                req.ids_slice(0, aligned), np.asarray(req.pages[:n_pages], dtype=np.int32)
+            )
+            dup_hi = min(res.prefix_len // self.page_size, n_pages)
+            if dup_hi > req.tree_pages:
+                self.allocator.free(req.pages[req.tree_pages : dup_hi])
+            if len(req.pages) > n_pages:
+                self.allocator.free(req.pages[n_pages:])
+            self.cache.unlock(req.node)
+        elif req.pages:
+            self.allocator.free(req.pages)
+        req.node, req.pages, req.tree_pages, req.kv_len, req.sent_pages = None, [], 0, 0, 0
+        if req.slot is not None:
+            self.released_slots.append(req.slot)
+            self.free_slots.append(req.slot)
+            req.slot = None
+        req.slot_started = False
+
+    def _retract(self, req: Req) -> None:
+        logger.info("retracting %s (%d tokens) under memory pressure", req.rid, req.all_len)
+        self.running.remove(req)
+        self._release(req)
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        self.retractions += 1
+        self.waiting.insert(0, req)
+
+    def _take_released_slots(self) -> list[int]:
+        slots, self.released_slots = self.released_slots, []
+        return slots
+
+    def take_outputs(self) -> list[ReqOutput]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # -----------------------------------------------------------------------------------------
+    # control and introspection
+
+    def flush_cache(self) -> FlushCacheDone:
+        if self.running or self.waiting:
+            return FlushCacheDone(ok=False, message="requests are running; flush when idle")
+        self.cache.reset()
+        return FlushCacheDone(ok=True)
+
+    def cache_stats(self) -> CacheStats:
+        prompt = self.prompt_tokens_total
+        return CacheStats(
+            total_pages=self.allocator.total_pages,
+            free_pages=self.allocator.free_pages,
+            evictable_pages=self.cache.evictable_pages,
+            protected_pages=self.cache.protected_pages,
+            page_size=self.page_size,
+            hit_rate=self.cached_tokens_total / prompt if prompt else 0.0,
+            cached_tokens=self.cached_tokens_total,
+            prompt_tokens=prompt,
+        )
+
+    def server_info(self) -> ServerInfo:
+        return ServerInfo(
+            cache=self.cache_stats(),
+            running_requests=len(self.running),
+            waiting_requests=len(self.waiting),
+            max_total_tokens=self.capacity_tokens,
+            max_running_requests=self.max_running,
+            context_length=self.context_length,
+            vocab_size=self.vocab_size,
+            decode_steps=self.decode_steps,
+            retractions=self.retractions,
+            integrity_checks=self.integrity_checks,
+        )
+
+    def check_integrity(self) -> None:
+        """Every page is free, cached in the tree, or owned by exactly one running request; when
+        idle, nothing is locked and every slot is free."""
+        held = [p for r in self.running for p in r.pages[r.tree_pages :]]
+        self.cache.check_integrity(expect_unlocked=not self.running, held_pages=held)
+        assert len(self.free_slots) + len(self.running) == self.max_running, "slot leak"
+        self.integrity_checks += 1

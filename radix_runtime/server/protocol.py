@@ -1,0 +1,853 @@
+"""What crosses the HTTP boundary: request structs, their validation, and response shaping.
+
+Three request kinds arrive as JSON and are decoded straight into msgspec Structs (a wrong type
+becomes a 400 whose ``param`` is the field path):
+
+    POST /v1/chat/completions  -> ChatCompletionRequest
+    POST /v1/completions       -> CompletionRequest
+    POST /generate             -> NativeGenerateRequest   (SGLang's native API; the DSL uses it)
+
+Each is validated against the model's limits and turned into one ``GenerateInput`` per generation
+(n choices x prompts), which the ``TokenizerManager`` runs. The manager answers with a stream of
+``GenerateChunk`` increments; a ``ChoiceState`` accumulates them and the ``*_response`` /
+``*_stream_chunk`` functions shape the JSON the client sees.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from radix_runtime.messages import SamplingParams
+from radix_runtime.server.errors import ApiError, from_msgspec_error
+
+# limits on what one request may ask for
+MAX_N = 16
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+MAX_BATCH = 1024  # generations one request may start (prompts x n)
+MAX_SEED = 2**63 - 1
+NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
+
+# ---------------------------------------------------------------------------------------------
+# the contract with the TokenizerManager
+
+
+class GenerateInput(msgspec.Struct, kw_only=True):
+    """One generation, fully validated and tokenized, handed to ``TokenizerManager.generate``."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stop: list[str] = []  # stop strings: the manager trims them from the text it returns
+    stream: bool = False
+    return_logprob: bool = False  # logprob of every output token
+    top_logprobs_num: int = 0  # also the top-k alternatives per output token
+    # >= 0: also the logprob of every prompt token at positions >= this index; -1: none
+    logprob_start_len: int = -1
+    skip_special_tokens: bool = True
+
+
+class GenerateChunk(msgspec.Struct, kw_only=True):
+    """One increment of a generation, yielded by ``TokenizerManager.generate``.
+
+    ``text``/``ids``/``output_logprobs``/``output_top_logprobs`` are deltas (new this chunk);
+    ``prompt_tokens``/``completion_tokens``/``cached_tokens`` are totals so far. The last chunk has
+    ``finish_reason`` set. ``prompt_logprobs`` arrives once (on the first chunk) and covers the
+    *last* ``len(prompt_logprobs)`` prompt positions (position 0 has no logprob, so a request with
+    ``logprob_start_len == 0`` gets ``len(input_ids) - 1`` values).
+    """
+
+    text: str = ""  # new text, UTF-8 complete, stop strings already trimmed
+    ids: list[int] = []  # new output token ids
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_logprobs: list[float] = []  # one per id in ``ids`` (when return_logprob)
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None  # per id: [(id, logprob)]
+    prompt_logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the validators check against."""
+
+    model_name: str
+    context_length: int
+    vocab_size: int
+
+
+# ---------------------------------------------------------------------------------------------
+# request structs
+
+
+class _Request(msgspec.Struct, kw_only=True):
+    """Unknown fields are ignored (clients send ``user``, ``metadata``, ...)."""
+
+
+class SamplingFields(_Request, kw_only=True):
+    """Sampling knobs shared by the OpenAI routes (top level) and /generate (``sampling_params``)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+
+
+class StreamOptions(_Request, kw_only=True):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Request, kw_only=True):
+    type: str = "text"
+
+
+class ContentPart(_Request, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _OpenAIRequest(SamplingFields, kw_only=True):
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_OpenAIRequest, kw_only=True):
+    # a string, a list of token ids, or a list of strings / token-id lists (a batch)
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class NativeSamplingParams(SamplingFields, kw_only=True):
+    max_new_tokens: int | None = None
+
+
+class NativeGenerateRequest(_Request, kw_only=True):
+    text: str | list[Any] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: NativeSamplingParams | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    rid: str | list[str] | None = None
+
+
+def decode_request(body: bytes, type_: type) -> Any:
+    """JSON bytes -> a request Struct, or ApiError(400). Invalid UTF-8 and lone surrogates are
+    malformed JSON to msgspec, so they land here too."""
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        raise from_msgspec_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(f"invalid JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError("invalid JSON body: nested too deeply", code="invalid_json") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _p(prefix: str, name: str) -> str:
+    return prefix + name
+
+
+def _check_range(
+    value: float,
+    name: str,
+    lo: float,
+    hi: float,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> None:
+    ok = math.isfinite(value)
+    ok = ok and (value > lo if lo_open else value >= lo)
+    ok = ok and (value < hi if hi_open else value <= hi)
+    if not ok:
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        raise ApiError(f"{name} must be in {lb}{lo}, {hi}{rb}, got {value}", param=name)
+
+
+def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for i, tok in enumerate(ids):
+        if not 0 <= tok < vocab_size:
+            raise ApiError(
+                f"token id {tok} is outside the vocabulary [0, {vocab_size})",
+                param=f"{param}[{i}]",
+            )
+
+
+def normalize_stop(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP:
+        raise ApiError(f"at most {MAX_STOP} stop sequences are allowed", param=param)
+    # an empty stop string would match at once: treat it as absent
+    return list(dict.fromkeys(s for s in stops if s))
+
+
+def sampling_params(
+    fields: SamplingFields,
+    limits: ModelLimits,
+    max_new_tokens: int,
+    *,
+    prefix: str = "",
+    seed_offset: int = 0,
+) -> SamplingParams:
+    """Validate the shared sampling knobs; ``prefix`` names where they sit (``sampling_params.``)."""
+    f = fields
+    temperature = 1.0 if f.temperature is None else f.temperature
+    _check_range(temperature, _p(prefix, "temperature"), 0.0, 2.0)
+    top_p = 1.0 if f.top_p is None else f.top_p
+    _check_range(top_p, _p(prefix, "top_p"), 0.0, 1.0, lo_open=True)
+    top_k = -1 if f.top_k is None else f.top_k
+    if top_k == 0 or top_k < -1:
+        raise ApiError(f"top_k must be -1 (off) or >= 1, got {top_k}", param=_p(prefix, "top_k"))
+    min_p = 0.0 if f.min_p is None else f.min_p
+    _check_range(min_p, _p(prefix, "min_p"), 0.0, 1.0)
+    freq = 0.0 if f.frequency_penalty is None else f.frequency_penalty
+    _check_range(freq, _p(prefix, "frequency_penalty"), -2.0, 2.0)
+    pres = 0.0 if f.presence_penalty is None else f.presence_penalty
+    _check_range(pres, _p(prefix, "presence_penalty"), -2.0, 2.0)
+    rep = 1.0 if f.repetition_penalty is None else f.repetition_penalty
+    _check_range(rep, _p(prefix, "repetition_penalty"), 0.0, 2.0, lo_open=True)
+    seed = f.seed
+    if seed is not None:
+        if not 0 <= seed <= MAX_SEED:
+            raise ApiError(f"seed must be in [0, 2**63 - 1], got {seed}", param=_p(prefix, "seed"))
+        # n choices from one seeded request must differ, yet be reproducible
+        seed = (seed + seed_offset) % (MAX_SEED + 1)
+    stop_token_ids = list(f.stop_token_ids or [])
+    _check_token_ids(stop_token_ids, limits.vocab_size, _p(prefix, "stop_token_ids"))
+    logit_bias: dict[int, float] = {}
+    for key, bias in (f.logit_bias or {}).items():
+        param = _p(prefix, f"logit_bias.{key}")
+        try:
+            tok = int(key)
+        except ValueError:
+            raise ApiError(f"logit_bias key {key!r} is not a token id", param=param) from None
+        if not 0 <= tok < limits.vocab_size:
+            raise ApiError(
+                f"logit_bias token id {tok} is outside the vocabulary [0, {limits.vocab_size})",
+                param=param,
+            )
+        _check_range(bias, param, -100.0, 100.0)
+        logit_bias[tok] = float(bias)
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        min_p=float(min_p),
+        seed=seed,
+        frequency_penalty=float(freq),
+        presence_penalty=float(pres),
+        repetition_penalty=float(rep),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=f.ignore_eos,
+        logit_bias=logit_bias,
+    )
+
+
+def check_model(model: str | None, limits: ModelLimits) -> None:
+    if model and model != limits.model_name:
+        raise ApiError(
+            f"the model '{model}' does not exist; this server serves '{limits.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_n(n: int, num_prompts: int = 1) -> None:
+    if not 1 <= n <= MAX_N:
+        raise ApiError(f"n must be in [1, {MAX_N}], got {n}", param="n")
+    if n * num_prompts > MAX_BATCH:
+        raise ApiError(f"at most {MAX_BATCH} generations per request (prompts x n)", param="n")
+
+
+def openai_max_tokens(req: _OpenAIRequest) -> tuple[int | None, str]:
+    """The requested completion budget and the field it came from (validated >= 1)."""
+    value, param = req.max_tokens, "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        value, param = req.max_completion_tokens, "max_completion_tokens"
+    if value is not None and value < 1:
+        raise ApiError(f"{param} must be at least 1, got {value}", param=param)
+    return value, param
+
+
+def resolve_max_new_tokens(
+    prompt_tokens: int,
+    requested: int | None,
+    limits: ModelLimits,
+    *,
+    param: str,
+    prompt_param: str,
+    default: int | None = None,
+) -> int:
+    """Fit prompt + output into the context window: an explicit request that does not fit is a 400;
+    an omitted one is capped at what is left (and at ``default`` when given)."""
+    ctx = limits.context_length
+    if requested is not None and requested > ctx:
+        raise ApiError(
+            f"{param} is too large: {requested}; this model's context length is {ctx} tokens",
+            param=param,
+        )
+    if prompt_tokens >= ctx:
+        raise ApiError(
+            f"this model's maximum context length is {ctx} tokens, but the prompt has "
+            f"{prompt_tokens} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        room = ctx - prompt_tokens
+        return room if default is None else min(default, room)
+    if prompt_tokens + requested > ctx:
+        raise ApiError(
+            f"this model's maximum context length is {ctx} tokens, but {prompt_tokens} prompt "
+            f"tokens + {requested} requested completion tokens is {prompt_tokens + requested}",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+# text parts of one message are joined with a newline, as vLLM (and our chat_template) do
+PART_SEPARATOR = "\n"
+CHAT_ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Flatten OpenAI messages into ``[{"role", "content"}]`` for the chat template."""
+    if not req.messages:
+        raise ApiError("messages must not be empty", param="messages")
+    out = []
+    for i, msg in enumerate(req.messages):
+        if msg.role not in CHAT_ROLES:
+            raise ApiError(f"unknown role {msg.role!r}", param=f"messages[{i}].role")
+        content = msg.content
+        if content is None:
+            if msg.role != "assistant":
+                raise ApiError("content must not be null", param=f"messages[{i}].content")
+            content = ""
+        elif not isinstance(content, str):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(
+                        f"only text content parts are supported, got {part.type!r}",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+                texts.append(part.text)
+            content = PART_SEPARATOR.join(texts)
+        role = "system" if msg.role == "developer" else msg.role
+        entry = {"role": role, "content": content}
+        if msg.name is not None:
+            entry["name"] = msg.name
+        out.append(entry)
+    return out
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_list(value: list, vocab_size: int, param: str) -> list[int]:
+    if not all(is_int(t) for t in value):
+        raise ApiError("a token-id prompt must be a list of integers", param=param)
+    if not value:
+        raise ApiError("the prompt must not be empty", param=param)
+    _check_token_ids(value, vocab_size, param)
+    return value
+
+
+def split_prompts(value: Any, vocab_size: int, param: str) -> list[str | list[int]]:
+    """OpenAI ``prompt`` / native ``text``+``input_ids`` -> a list of prompts (text or token ids).
+
+    Accepts a string, a token-id list, or a list of strings / token-id lists.
+    """
+    if isinstance(value, str):
+        prompts: list = [value]
+    elif value and all(is_int(t) for t in value):
+        prompts = [value]
+    else:
+        prompts = list(value)
+        if not prompts:
+            raise ApiError("the prompt must not be empty", param=param)
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        p_param = param if len(prompts) == 1 and p is value else f"{param}[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise ApiError("the prompt must not be empty", param=p_param)
+            out.append(p)
+        elif isinstance(p, list):
+            out.append(_token_list(p, vocab_size, p_param))
+        else:
+            raise ApiError(
+                "the prompt must be a string, a list of token ids, or a list of those",
+                param=p_param,
+            )
+    if len(out) > MAX_BATCH:
+        raise ApiError(f"at most {MAX_BATCH} prompts per request", param=param)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulating a generation's chunks
+
+
+class ChoiceState:
+    """Everything one generation has produced so far."""
+
+    __slots__ = (
+        "index",
+        "rid",
+        "input_ids",
+        "text",
+        "ids",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "finish_reason",
+        "matched_stop",
+        "completion_tokens",
+        "cached_tokens",
+    )
+
+    def __init__(self, index: int, rid: str, input_ids: list[int]) -> None:
+        self.index = index
+        self.rid = rid
+        self.input_ids = input_ids
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_logprobs: list[float] | None = None
+        self.finish_reason: str | None = None
+        self.matched_stop: int | str | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def add(self, chunk: GenerateChunk) -> None:
+        if chunk.text:
+            self.text.append(chunk.text)
+        self.ids.extend(chunk.ids)
+        self.logprobs.extend(chunk.output_logprobs)
+        if chunk.output_top_logprobs:
+            self.top_logprobs.extend(chunk.output_top_logprobs)
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = list(chunk.prompt_logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.matched_stop = chunk.matched_stop
+        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens, len(self.ids))
+        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def usage(choices: list[ChoiceState], n: int) -> dict:
+    """Prompt and cached tokens count once per prompt (the first of its n choices)."""
+    prompt = sum(c.prompt_tokens for c in choices if c.index % n == 0)
+    cached = sum(c.cached_tokens for c in choices if c.index % n == 0)
+    completion = sum(c.completion_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---------------------------------------------------------------------------------------------
+# logprobs in the OpenAI shapes
+
+
+class TokenText:
+    """Token id -> its text, memoized per request (top-k lists repeat tokens a lot)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, tok: int) -> str:
+        text = self._cache.get(tok)
+        if text is None:
+            if self._tokenizer is None:  # dummy weights: no vocabulary to show
+                text = f"token_id:{tok}"
+            else:
+                text = self._tokenizer.decode([tok])
+            self._cache[tok] = text
+        return text
+
+
+def chat_logprobs(
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[list[tuple[int, float]]],
+    token_text: TokenText,
+) -> dict:
+    content = []
+    for i, (tok, lp) in enumerate(zip(ids, logprobs)):
+        text = token_text(tok)
+        top = tops[i] if i < len(tops) else []
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (t := token_text(tid)), "logprob": tlp, "bytes": list(t.encode())}
+                    for tid, tlp in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[list[tuple[int, float]]],
+    token_text: TokenText,
+    text_offset: int = 0,
+    with_top: bool = True,
+) -> dict:
+    tokens, offsets, top_out = [], [], []
+    for i, tok in enumerate(ids[: len(logprobs)]):
+        text = token_text(tok)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if with_top:
+            top = tops[i] if i < len(tops) else []
+            top_out.append({token_text(tid): tlp for tid, tlp in top})
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs[: len(tokens)]),
+        "top_logprobs": top_out if with_top else None,
+        "text_offset": offsets,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# native /generate output
+
+
+def _finish_info(state: ChoiceState) -> dict | None:
+    reason = state.finish_reason
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": state.completion_tokens}
+    if reason == "stop":
+        return {"type": "stop", "matched": state.matched_stop}
+    return {"type": reason, "matched": state.matched_stop}
+
+
+def native_output(state: ChoiceState, inp: GenerateInput) -> dict:
+    meta: dict[str, Any] = {
+        "id": state.rid,
+        "prompt_tokens": state.prompt_tokens,
+        "completion_tokens": state.completion_tokens,
+        "cached_tokens": state.cached_tokens,
+        "finish_reason": _finish_info(state),
+    }
+    if inp.return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok] for lp, tok in zip(state.logprobs, state.ids)]
+        if inp.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [
+                [[lp, tok] for tok, lp in top] for top in state.top_logprobs
+            ]
+        if inp.logprob_start_len >= 0:
+            meta["input_token_logprobs"] = _input_logprobs(state, inp.logprob_start_len)
+    return {"text": state.full_text, "output_ids": list(state.ids), "meta_info": meta}
+
+
+def _input_logprobs(state: ChoiceState, start: int) -> list[list]:
+    """[[logprob | None, id]] for prompt positions >= start; the manager's values cover the last
+    len(values) positions (position 0 has none)."""
+    ids = state.input_ids
+    values = state.prompt_logprobs or []
+    first_known = len(ids) - len(values)
+    out = []
+    for pos in range(start, len(ids)):
+        k = pos - first_known
+        out.append([values[k] if k >= 0 else None, ids[pos]])
+    return out
+
+
+def choice_sampling(base: SamplingParams, max_new_tokens: int, index: int) -> SamplingParams:
+    """The sampling of choice ``index`` of n: its own budget, and a seed offset so seeded choices
+    differ from each other yet reproduce."""
+    seed = base.seed
+    if seed is not None:
+        seed = (seed + index) % (MAX_SEED + 1)
+    return msgspec.structs.replace(base, max_new_tokens=max_new_tokens, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# renderers: accumulated state -> the JSON one route answers with
+#
+# ``response(states)`` is the non-streaming body; ``stream_chunk(state, chunk)`` the SSE payloads
+# for one increment; ``stream_end(states)`` those sent after the last increment (before [DONE]).
+
+
+class ChatRenderer:
+    def __init__(
+        self,
+        *,
+        id: str,
+        model: str,
+        n: int,
+        logprobs: bool,
+        include_usage: bool,
+        token_text: TokenText,
+    ) -> None:
+        self.id = id
+        self.model = model
+        self.created = now()
+        self.n = n
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.token_text = token_text
+        self._started: set[int] = set()
+
+    def _logprobs(self, ids, logprobs, tops) -> dict | None:
+        if not self.logprobs:
+            return None
+        return chat_logprobs(ids, logprobs, tops or [], self.token_text)
+
+    def response(self, states: list[ChoiceState]) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": s.index,
+                    "message": {"role": "assistant", "content": s.full_text},
+                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs),
+                    "finish_reason": s.finish_reason,
+                    "matched_stop": s.matched_stop,
+                }
+                for s in states
+            ],
+            "usage": usage(states, self.n),
+        }
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def stream_chunk(self, state: ChoiceState, chunk: GenerateChunk) -> list[dict]:
+        out = []
+        if state.index not in self._started:
+            self._started.add(state.index)
+            delta = {"role": "assistant", "content": ""}
+            out.append(
+                self._chunk(
+                    [
+                        {
+                            "index": state.index,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+        has_logprobs = self.logprobs and chunk.ids
+        if chunk.text or chunk.finish_reason is not None or has_logprobs:
+            delta = {"content": chunk.text} if chunk.text or has_logprobs else {}
+            choice = {
+                "index": state.index,
+                "delta": delta,
+                "logprobs": self._logprobs(
+                    chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs
+                ),
+                "finish_reason": chunk.finish_reason,
+            }
+            if chunk.finish_reason is not None:
+                choice["matched_stop"] = chunk.matched_stop
+            out.append(self._chunk([choice]))
+        return out
+
+    def stream_end(self, states: list[ChoiceState]) -> list[dict]:
+        if not self.include_usage:
+            return []
+        last = self._chunk([])
+        last["usage"] = usage(states, self.n)
+        return [last]
+
+
+class CompletionRenderer:
+    def __init__(
+        self,
+        *,
+        id: str,
+        model: str,
+        n: int,
+        logprobs: int | None,
+        include_usage: bool,
+        token_text: TokenText,
+    ) -> None:
+        self.id = id
+        self.model = model
+        self.created = now()
+        self.n = n
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.token_text = token_text
+
+    def _logprobs(self, ids, logprobs, tops, offset: int) -> dict | None:
+        if self.logprobs is None:
+            return None
+        return completion_logprobs(
+            ids, logprobs, tops or [], self.token_text, offset, with_top=self.logprobs > 0
+        )
+
+    def response(self, states: list[ChoiceState]) -> dict:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": s.index,
+                    "text": s.full_text,
+                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs, 0),
+                    "finish_reason": s.finish_reason,
+                    "matched_stop": s.matched_stop,
+                }
+                for s in states
+            ],
+            "usage": usage(states, self.n),
+        }
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def stream_chunk(self, state: ChoiceState, chunk: GenerateChunk) -> list[dict]:
+        has_logprobs = self.logprobs is not None and chunk.ids
+        if not (chunk.text or chunk.finish_reason is not None or has_logprobs):
+            return []
+        offset = len(state.full_text) - len(chunk.text)
+        choice = {
+            "index": state.index,
+            "text": chunk.text,
+            "logprobs": self._logprobs(
+                chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs, offset
+            ),
+            "finish_reason": chunk.finish_reason,
+        }
+        if chunk.finish_reason is not None:
+            choice["matched_stop"] = chunk.matched_stop
+        return [self._chunk([choice])]
+
+    def stream_end(self, states: list[ChoiceState]) -> list[dict]:
+        if not self.include_usage:
+            return []
+        last = self._chunk([])
+        last["usage"] = usage(states, self.n)
+        return [last]
+
+
+class NativeRenderer:
+    """/generate: one ``{"text", "output_ids", "meta_info"}`` per input (a list for a batch);
+    streamed events are cumulative, with ``index`` for a batch."""
+
+    def __init__(self, inputs: list[GenerateInput], batch: bool) -> None:
+        self.inputs = inputs
+        self.batch = batch
+
+    def response(self, states: list[ChoiceState]) -> dict | list[dict]:
+        outs = [native_output(s, self.inputs[s.index]) for s in states]
+        return outs if self.batch else outs[0]
+
+    def stream_chunk(self, state: ChoiceState, chunk: GenerateChunk) -> list[dict]:
+        out = native_output(state, self.inputs[state.index])
+        if self.batch:
+            out["index"] = state.index
+        return [out]
+
+    def stream_end(self, states: list[ChoiceState]) -> list[dict]:
+        return []

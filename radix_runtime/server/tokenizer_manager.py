@@ -1,0 +1,288 @@
+"""The tokenizer process's bridge to the scheduler: sends tokenized requests, receives token ids,
+detokenizes them incrementally (UTF-8 safe), applies stop strings, and streams the increments.
+
+Used by the HTTP server and by the offline `Engine` alike: both run it on an asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from radix_runtime import messages as m
+from radix_runtime.config import ServerArgs
+from radix_runtime.server.errors import GenerationError
+from radix_runtime.server.protocol import GenerateChunk, GenerateInput
+from radix_runtime.tokenizer import IncrementalDetokenizer, StopMatcher
+from radix_runtime.utils.procs import endpoint, zmq_socket
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReqState:
+    inp: GenerateInput
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, tokenizer, model_name: str, model_path: str, ipc_dir: str):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.model_path = model_path
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+        self.ipc_dir = ipc_dir
+        self.healthy = False
+        self.draining = False
+        self.fatal_message: str | None = None
+        self.context_length = 0
+        self.vocab_size = 0
+        self.max_total_tokens = 0
+        self.states: dict[str, _ReqState] = {}
+        self._info_waiters: deque[asyncio.Future] = deque()
+        self._flush_waiters: deque[asyncio.Future] = deque()
+        self._ready: asyncio.Future | None = None
+        self._recv_task: asyncio.Task | None = None
+        self.on_fatal: Callable[[str], None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, timeout: float = 3600.0) -> None:
+        """Open the sockets and wait for the scheduler (which waits for the worker)."""
+        self.ctx = zmq.asyncio.Context()
+        self.from_sched = zmq_socket(
+            self.ctx, zmq.PULL, endpoint(self.ipc_dir, "tokenizer"), bind=True
+        )
+        self.to_sched = zmq_socket(
+            self.ctx, zmq.PUSH, endpoint(self.ipc_dir, "scheduler"), bind=False
+        )
+        self._ready = asyncio.get_running_loop().create_future()
+        self._recv_task = asyncio.create_task(self._recv_loop())
+        ready: m.SchedulerReady = await asyncio.wait_for(self._ready, timeout)
+        self.context_length = ready.context_length
+        self.vocab_size = ready.vocab_size
+        self.max_total_tokens = ready.max_total_tokens
+        self.healthy = True
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        try:
+            await self.to_sched.send(m.encode(m.ShutdownReq()))
+        except zmq.ZMQError:
+            pass
+        self.from_sched.close(0)
+        self.to_sched.close(0)
+        self.ctx.term()
+
+    def fail(self, message: str) -> None:
+        """A child died or reported a fatal error: fail everything in flight, refuse new work."""
+        if self.fatal_message is None:
+            logger.error("fatal: %s", message)
+        self.healthy = False
+        self.fatal_message = message
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(message))
+        err = m.ReqOutput(rid="", finish_reason="error", error=message, error_code="server_error")
+        for state in self.states.values():
+            state.queue.put_nowait(err)
+        for waiters in (self._info_waiters, self._flush_waiters):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(RuntimeError(message))
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.states)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frame = await self.from_sched.recv()
+            try:
+                msg = m.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("dropped a malformed frame (%d bytes): %s", len(frame), exc)
+                continue
+            if isinstance(msg, m.BatchOutput):
+                for out in msg.outputs:
+                    state = self.states.get(out.rid)
+                    if state is not None:
+                        state.queue.put_nowait(out)
+            elif isinstance(msg, m.ServerInfo):
+                self._resolve(self._info_waiters, msg)
+            elif isinstance(msg, m.FlushCacheDone):
+                self._resolve(self._flush_waiters, msg)
+            elif isinstance(msg, m.SchedulerReady):
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(msg)
+            elif isinstance(msg, m.FatalError):
+                self.fail(f"the {msg.role} failed: {msg.message}")
+            else:
+                logger.warning("ignored an unexpected %s", type(msg).__name__)
+
+    @staticmethod
+    def _resolve(waiters: deque, value) -> None:
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(value)
+                return
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _check_available(self) -> None:
+        if not self.healthy:
+            raise GenerationError(
+                self.fatal_message or "the server is not ready", "server_unavailable", 503
+            )
+        if self.draining:
+            raise GenerationError("the server is shutting down", "server_shutting_down", 503)
+
+    async def _send(self, msg) -> None:
+        await self.to_sched.send(m.encode(msg))
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        """Yield increments of one generation; the last one has finish_reason set."""
+        self._check_available()
+        rid = inp.rid or uuid.uuid4().hex
+        if rid in self.states:
+            raise GenerationError(
+                f"request id {rid!r} is already running", "duplicate_request_id", 400
+            )
+        state = _ReqState(inp)
+        self.states[rid] = state
+        try:
+            await self._send(
+                m.GenerateReq(
+                    rid=rid,
+                    input_ids=m.pack_ids(inp.input_ids),
+                    sampling=inp.sampling,
+                    return_logprob=inp.return_logprob,
+                    top_logprobs_num=inp.top_logprobs_num,
+                    logprob_start_len=inp.logprob_start_len,
+                )
+            )
+            async for chunk in self._stream(rid, state):
+                yield chunk
+        finally:
+            self.states.pop(rid, None)
+            if not state.finished and self.healthy:
+                # the consumer went away (client disconnect, cancellation): free its pages now
+                await self._send(m.AbortReq(rid=rid))
+
+    async def _stream(self, rid: str, state: _ReqState) -> AsyncIterator[GenerateChunk]:
+        inp = state.inp
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=inp.skip_special_tokens)
+            if self.tokenizer is not None
+            else None  # dummy weights without a tokenizer: token ids only
+        )
+        stops = StopMatcher(inp.stop) if inp.stop else None
+        completion_tokens = 0
+        prompt_lps: list[float] = []
+        while True:
+            out: m.ReqOutput = await state.queue.get()
+            if out.error is not None:
+                state.finished = True
+                status = 503 if out.error_code == "server_error" else 400
+                raise GenerationError(out.error, out.error_code or "invalid_request", status)
+            ids = m.unpack_ids(out.new_ids).tolist() if out.new_ids else []
+            if out.prompt_logprobs:
+                prompt_lps.extend(m.unpack_floats(out.prompt_logprobs).tolist())
+            finish = out.finish_reason
+            matched = out.matched_stop
+            # the stop token itself is not part of the text
+            visible = ids[:-1] if finish == "stop" and matched is not None and ids else ids
+            text = ""
+            if detok is not None:
+                text = detok.add(visible) if visible else ""
+                if finish is not None:
+                    text += detok.flush()
+            completion_tokens += len(ids)
+            if stops is not None:
+                text, stopped = stops.feed(text)
+                if stopped and finish is None:
+                    finish, matched = "stop", stops.matched
+                    state.finished = True
+                    await self._send(m.AbortReq(rid=rid))
+                elif finish is not None and not stopped:
+                    text += stops.flush()
+            if finish is not None:
+                state.finished = True
+            chunk = GenerateChunk(
+                text=text,
+                ids=ids,
+                finish_reason=finish,
+                matched_stop=matched,
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=completion_tokens,
+                cached_tokens=out.cached_tokens,
+            )
+            if inp.return_logprob and out.output_logprobs:
+                chunk.output_logprobs = m.unpack_floats(out.output_logprobs).tolist()
+                if inp.top_logprobs_num and out.top_ids:
+                    k = inp.top_logprobs_num
+                    tids = m.unpack_ids(out.top_ids).reshape(-1, k)
+                    tlps = m.unpack_floats(out.top_logprobs).reshape(-1, k)
+                    chunk.output_top_logprobs = [
+                        list(zip(r_ids.tolist(), r_lps.tolist()))
+                        for r_ids, r_lps in zip(tids, tlps)
+                    ]
+            if prompt_lps and (finish is not None or ids):
+                chunk.prompt_logprobs, prompt_lps = prompt_lps, []
+            if ids or text or finish is not None or chunk.prompt_logprobs:
+                yield chunk
+            if finish is not None:
+                return
+
+    async def abort(self, rid: str) -> None:
+        state = self.states.get(rid)
+        if state is not None and not state.finished:
+            state.finished = True
+            await self._send(m.AbortReq(rid=rid))
+            state.queue.put_nowait(m.ReqOutput(rid=rid, finish_reason="abort"))
+
+    async def server_info(self) -> dict:
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._info_waiters.append(fut)
+        await self._send(m.ServerInfoReq())
+        info: m.ServerInfo = await asyncio.wait_for(fut, 30)
+        out = msgspec.to_builtins(info)
+        out.pop("type", None)
+        return out
+
+    async def flush_cache(self) -> bool:
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        await self._send(m.FlushCacheReq())
+        done: m.FlushCacheDone = await asyncio.wait_for(fut, 30)
+        return done.ok
+
+    def _check_alive(self) -> None:
+        if not self.healthy:
+            raise GenerationError(
+                self.fatal_message or "the server is not ready", "server_unavailable", 503
+            )
+
+
+def ids_in_vocab(ids, vocab_size: int) -> bool:
+    arr = np.asarray(ids)
+    return arr.size == 0 or (arr.min() >= 0 and arr.max() < vocab_size)

@@ -1,0 +1,140 @@
+"""Process hygiene: titles, dying with the parent, private ipc directories, child launching."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def set_process_title(role: str) -> None:
+    """Name the process after its role (`ps` shows radix_runtime::scheduler etc.)."""
+    title = f"radix_runtime::{role}"
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # pragma: no cover - setproctitle is a declared dependency
+        pass
+    try:  # also the short name shown by `top` / pkill
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, title.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process exit when `parent_pid` dies.
+
+    PR_SET_PDEATHSIG covers the common case; a polling thread covers the race where the parent
+    died before prctl ran, and platforms without prctl.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def make_ipc_dir() -> str:
+    """A private directory (mode 0700) for the ipc:// sockets of one server."""
+    return tempfile.mkdtemp(prefix="radix_runtime-")
+
+
+def endpoint(ipc_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(ipc_dir, name)}"
+
+
+def zmq_socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(addr)
+    else:
+        sock.connect(addr)
+    return sock
+
+
+def configure_logging(level: str, role: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# children are started with `python -m <module>` and read their config as one JSON line on stdin:
+# nothing is pickled and secrets (the API key) never show up in `ps`.
+
+
+def spawn_child(module: str, payload: dict) -> subprocess.Popen:
+    payload = {**payload, "parent_pid": os.getpid()}
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module],
+        stdin=subprocess.PIPE,
+        env=env,
+        start_new_session=False,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write((json.dumps(payload) + "\n").encode())
+    proc.stdin.close()
+    return proc
+
+
+def read_child_payload() -> dict:
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit("radix_runtime child started without a config on stdin")
+    payload = json.loads(line)
+    die_with_parent(int(payload["parent_pid"]))
+    return payload
+
+
+def install_child_signal_handlers() -> None:
+    """Ctrl-C reaches the whole process group: children leave the shutdown to the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+
+def terminate_children(procs: list[subprocess.Popen], timeout: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        remaining = max(0.0, deadline - time.monotonic())
+        try:
+            p.wait(remaining)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

