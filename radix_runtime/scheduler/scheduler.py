@@ -218,7 +218,7 @@ class Scheduler:
                 continue
             self.cache.lock(match.node)
             req.node = match.node
-            req.pages = [int(p) for p in match.pages]
+            req.pages = match.pages.tolist()
             req.tree_pages = len(req.pages)
             req.kv_len = match.length
             n = min(budget, req.remaining_fill)
@@ -382,7 +382,7 @@ class Scheduler:
         pages = self.allocator.alloc(need)
         if pages is None:
             return False
-        req.pages.extend(int(p) for p in pages)
+        req.pages.extend(pages.tolist())
         return True
 
     def _cache_unfinished(self, req: Req) -> None:
