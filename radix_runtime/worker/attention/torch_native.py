@@ -1,0 +1,124 @@
+"""The torch-native attention backend: the CPU path and the reference other backends are tested against.
+
+Per batch (`plan`) it turns the page table into flat pool locations per request. Per layer it
+stores the new K/V, gathers each request's whole sequence from the pool, and runs
+`F.scaled_dot_product_attention` with GQA. Decode requests (one new token each) share one padded
+SDPA call; prefill chunks run one call each with a causal mask shifted by their cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from radix_runtime.worker.attention.base import AttentionBackend, AttentionMetadata
+from radix_runtime.worker.kv_pool import KVPool
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [Bd] int64: the token row of each decode request
+    kv_locs: torch.Tensor  # [Bd, max_len] int64, padded with location 0 (the reserved page)
+    mask: torch.Tensor  # [Bd, 1, 1, max_len] bool: True where the key is real
+
+
+@dataclass
+class _PrefillChunk:
+    start: int  # token rows [start, end) of the batch
+    end: int
+    kv_locs: torch.Tensor  # [seq_len] int64
+    mask: torch.Tensor | None  # [n, seq_len] bool, None when there is no cached prefix
+
+
+def sequence_locations(meta: AttentionMetadata, i: int) -> np.ndarray:
+    """Flat pool locations of positions [0, seq_len) of request i."""
+    ps = meta.page_size
+    pages = meta.kv_page_indices_cpu[meta.kv_indptr_cpu[i] : meta.kv_indptr_cpu[i + 1]]
+    locs = (pages.astype(np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
+    return locs[: meta.seq_lens_cpu[i]]
+
+
+def shifted_causal_mask(prefix_len: int, n: int, device: torch.device) -> torch.Tensor:
+    """[n, prefix_len + n]: query j (at position prefix_len + j) sees keys at positions <= its own."""
+    q_pos = torch.arange(n, device=device)[:, None] + prefix_len
+    k_pos = torch.arange(prefix_len + n, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+# cuDNN attention builds a plan per new shape, and decode changes the KV length every step
+_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        qo_lens = meta.qo_lens_cpu
+        decode_ids = np.flatnonzero(qo_lens == 1)
+        self._decode = self._plan_decode(meta, decode_ids) if len(decode_ids) else None
+        self._prefills = [self._plan_prefill(meta, int(i)) for i in np.flatnonzero(qo_lens > 1)]
+        self._out_cache_loc = meta.out_cache_loc
+
+    def _plan_decode(self, meta: AttentionMetadata, ids: np.ndarray) -> _DecodeGroup:
+        lens = meta.seq_lens_cpu[ids]
+        locs = np.zeros((len(ids), int(lens.max())), dtype=np.int64)
+        for row, i in enumerate(ids):
+            locs[row, : lens[row]] = sequence_locations(meta, int(i))
+        mask = np.arange(locs.shape[1])[None, :] < lens[:, None]
+        return _DecodeGroup(
+            rows=torch.from_numpy(meta.qo_indptr_cpu[ids].astype(np.int64)).to(self.device),
+            kv_locs=torch.from_numpy(locs).to(self.device),
+            mask=torch.from_numpy(mask[:, None, None, :]).to(self.device),
+        )
+
+    def _plan_prefill(self, meta: AttentionMetadata, i: int) -> _PrefillChunk:
+        start, end = int(meta.qo_indptr_cpu[i]), int(meta.qo_indptr_cpu[i + 1])
+        prefix = int(meta.prefix_lens_cpu[i])
+        mask = shifted_causal_mask(prefix, end - start, self.device) if prefix else None
+        locs = torch.from_numpy(sequence_locations(meta, i)).to(self.device)
+        return _PrefillChunk(start, end, locs, mask)
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        kv_pool.store(layer_id, self._out_cache_loc, k, v)
+        k_all, v_all = kv_pool.k_flat(layer_id), kv_pool.v_flat(layer_id)
+        out = torch.empty_like(q)
+        if self._decode is not None:
+            d = self._decode
+            out[d.rows] = self._sdpa(
+                q[d.rows].unsqueeze(2), k_all[d.kv_locs], v_all[d.kv_locs], d.mask
+            ).squeeze(2)
+        for c in self._prefills:
+            q_c = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            mask = c.mask[None, None] if c.mask is not None else None
+            out_c = self._sdpa(
+                q_c, k_all[c.kv_locs].unsqueeze(0), v_all[c.kv_locs].unsqueeze(0), mask
+            )
+            out[c.start : c.end] = out_c[0].transpose(0, 1)
+        return out
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [B, H, n, D]; k/v [B, L, Hkv, D] as gathered from the pool. Causal when mask is None."""
+        k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+        with sdpa_kernel(_SDPA_KERNELS):
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )

@@ -1,0 +1,160 @@
+"""GGUF checkpoints: metadata -> ModelConfig, tensors -> dequantized float32 with HF names.
+
+llama.cpp's converter permutes the rows of Q and K of `llama`-architecture models so that its
+interleaved (GPT-J style) RoPE equals HF's rotate_half RoPE. We run rotate_half, so the
+permutation is undone here (`reverse_permute`, as transformers' GGUF integration does).
+Qwen2 files use llama.cpp's NEOX RoPE and are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from radix_runtime.worker.model_config import ModelConfig
+
+# architectures whose Q/K rows llama.cpp permuted on conversion
+_PERMUTED_ARCHS = ("llama",)
+_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2"}
+# end-of-turn markers that chat templates emit; when the template uses one, it also ends generation
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"  # folded into the config, not a model weight
+
+
+def open_gguf(path: str):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute(w, n_head)`: rows go from interleaved pairs back to two halves.
+
+    llama.cpp: ``w.reshape(n_head, 2, d // n_head // 2, ...).swapaxes(1, 2)``; this is its inverse.
+    """
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's permutation (used by the round-trip test)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _eos_ids(reader) -> list[int]:
+    ids = [
+        _field(reader, "tokenizer.ggml.eos_token_id"),
+        _field(reader, "tokenizer.ggml.eot_token_id"),
+    ]
+    template = _field(reader, "tokenizer.chat_template", "") or ""
+    used = [t for t in _END_OF_TURN_TOKENS if t in template]
+    if used:
+        vocab = {tok: i for i, tok in enumerate(_field(reader, "tokenizer.ggml.tokens", []))}
+        ids += [vocab.get(t) for t in used]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _tensor_by_name(reader, name: str):
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCH_TO_MODEL_TYPE:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2 are)")
+
+    def get(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    embed = _tensor_by_name(reader, "token_embd.weight")
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    freqs = _tensor_by_name(reader, ROPE_FREQS)
+    return ModelConfig(
+        model_type=_ARCH_TO_MODEL_TYPE[arch],
+        vocab_size=int(get("vocab_size") or int(embed.shape[1])),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv") or heads),
+        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        rope_scaling=scaling,
+        rope_freq_factors=None if freqs is None else tuple(float(x) for x in freqs.data),
+        eos_token_ids=tuple(_eos_ids(reader)),
+    )
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """A GGUF tensor as float32 in PyTorch's [out, in] order (GGUF lists dims innermost first)."""
+    from gguf import quants
+
+    values = quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(int(d) for d in reversed(t.shape))
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    # F32 tensors come back as views of the read-only memory map: torch wants its own copy
+    return values if values.flags.writeable else values.copy()
+
+
+def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every weight, Q/K unpermuted where llama.cpp permuted them."""
+    permuted = _field(reader, "general.architecture") in _PERMUTED_ARCHS
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            continue
+        values = dequantize_tensor(t)
+        if permuted and ".attn_q." in t.name:
+            values = reverse_permute(values, config.num_heads)
+        elif permuted and ".attn_k." in t.name:
+            values = reverse_permute(values, config.num_kv_heads)
+        yield hf_tensor_name(t.name), torch.from_numpy(values)
+
+
+def num_weight_tensors(reader) -> int:
+    return sum(1 for t in reader.tensors if t.name != ROPE_FREQS)

@@ -1,0 +1,191 @@
+"""Build the model and fill its weights from a GGUF file, a Hugging Face folder, or dummy values.
+
+GGUF dequantization takes seconds, so the converted float32 tensors (HF names, Q/K already
+unpermuted) and the parsed config are cached as one safetensors file under
+``$RADIX_RUNTIME_CACHE`` (default ``~/.cache/radix_runtime``), keyed by the GGUF's path, size
+and mtime: a second start reads that file instead of the GGUF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from radix_runtime.config import ServerArgs
+from radix_runtime.model_source import ModelSource, resolve_model
+from radix_runtime.worker import gguf_format
+from radix_runtime.worker.model_config import ModelConfig, load_hf_config
+from radix_runtime.worker.models.llama import LlamaForCausalLM, build_model, fuse_checkpoint
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "RADIX_RUNTIME_CACHE"
+# bump when the cached layout changes, so stale conversions are never read
+CACHE_FORMAT_VERSION = 1
+_CONFIG_KEY = "radix_runtime_config"
+_FORMAT_KIND = {"gguf": "gguf", "safetensors": "hf", "dummy": "dummy"}
+DUMMY_STD = 0.02
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    config: ModelConfig
+    model: LlamaForCausalLM
+    load_s: float
+    cache_hit: bool | None = None  # GGUF only: whether the converted cache was used
+
+
+def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    source = resolve_model(args.model, args.load_format, args.model_config)
+    expected = _FORMAT_KIND.get(args.load_format)
+    if expected is not None and source.kind != expected:
+        raise ValueError(
+            f"--load-format {args.load_format} does not fit {source.path} ({source.kind})"
+        )
+    t0 = time.perf_counter()
+    cache_hit = None
+    if source.kind == "dummy":
+        config = load_hf_config(source.path)
+        model = build_model(config, device, dtype)
+        init_dummy_weights(model, args.seed)
+    elif source.kind == "hf":
+        config = load_hf_config(source.path)
+        model = build_model(config, device, dtype)
+        files = safetensors_files(source.path)
+        model.load_weights(
+            _progress(iter_safetensors(files), "loading weights", _count_keys(files))
+        )
+    elif source.kind == "gguf":
+        config, weights, total, cache_hit = gguf_checkpoint(source.path)
+        model = build_model(config, device, dtype)
+        model.load_weights(_progress(weights, "loading weights", total))
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}")
+    load_s = time.perf_counter() - t0
+    logger.info("loaded %s (%s) in %.2fs", source.name, source.kind, load_s)
+    return LoadedModel(source, config, model, load_s, cache_hit)
+
+
+def _progress(it: Iterable, desc: str, total: int | None) -> Iterable:
+    return tqdm(it, desc=desc, total=total, unit="tensor", dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# dummy
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """normal(0, 0.02) matrices, unit norms, zero biases: in place on the target device and dtype.
+
+    Norm weights are 1 (not random) so activations keep a sane scale through many layers,
+    which keeps benchmark numerics free of inf/nan.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in _progress(list(model.named_parameters()), "dummy weights", None):
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.data.zero_()
+        else:
+            p.data.normal_(0.0, DUMMY_STD, generator=gen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folders
+
+
+def safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, s) for s in shards]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield key, f.get_tensor(key)
+
+
+def _count_keys(files: list[str]) -> int:
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF with the conversion cache
+
+
+def cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "radix_runtime"
+    )
+
+
+def gguf_cache_path(gguf_path: str) -> str:
+    st = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|v{CACHE_FORMAT_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    stem = os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(cache_dir(), "gguf", f"{stem}-{digest}.safetensors")
+
+
+def gguf_checkpoint(
+    path: str,
+) -> tuple[ModelConfig, Iterable[tuple[str, torch.Tensor]], int, bool]:
+    """(config, weights, tensor count, cache hit) for a GGUF file, converting it on a cache miss."""
+    cached = gguf_cache_path(path)
+    if os.path.isfile(cached):
+        try:
+            with safe_open(cached, framework="pt", device="cpu") as f:
+                config = ModelConfig.from_json(f.metadata()[_CONFIG_KEY])
+                total = len(f.keys())
+            return config, iter_safetensors([cached]), total, True
+        except Exception as exc:  # a truncated or foreign file: convert again
+            logger.warning("ignoring the unreadable GGUF cache %s: %s", cached, exc)
+    reader = gguf_format.open_gguf(path)
+    config = gguf_format.config_from_gguf(reader)
+    total = gguf_format.num_weight_tensors(reader)
+    tensors = fuse_checkpoint(
+        _progress(gguf_format.gguf_tensors(reader, config), "dequantizing GGUF", total)
+    )
+    _write_cache(cached, tensors, config)
+    return config, tensors.items(), len(tensors), False
+
+
+def _write_cache(path: str, tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Atomic (temp file + rename), so a crash never leaves a half-written cache behind."""
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        os.close(fd)
+        save_file(tensors, tmp, metadata={_CONFIG_KEY: config.to_json()})
+        os.replace(tmp, path)
+        logger.info("cached the converted GGUF at %s", path)
+    except OSError as exc:  # a read-only or full disk must not stop the server
+        logger.warning("could not write the GGUF cache %s: %s", path, exc)
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,0 +1,301 @@
+"""ModelRunner: one forward step of a ForwardBatch -> ForwardResult.
+
+The runner owns the tensors (weights, KV pool, the per-slot page table, sampler state) and
+no policy: the scheduler says which pages each request reads and writes. One step:
+    1. update the page table rows with the pages the scheduler sent,
+    2. build the batch's paged layout (AttentionMetadata) and plan the attention backend once,
+    3. run the model over the flat batch of new tokens,
+    4. compute logits only on the rows that need them (the last row of a sampled request; every
+       row of a request that asked for prompt logprobs), sample, and pack the results.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radix_runtime import messages as m
+from radix_runtime.config import ServerArgs
+from radix_runtime.worker.attention import create_backend
+from radix_runtime.worker.attention.base import AttentionMetadata
+from radix_runtime.worker.kv_pool import KVPool, num_pages_for
+from radix_runtime.worker.loader import load_model
+from radix_runtime.worker.sampler import Sampler, target_logprobs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but CUDA is not available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class _StepLayout:
+    """Host-side view of one batch, built before anything runs on the device."""
+
+    input_ids: torch.Tensor  # [N] int64 on the device
+    meta: AttentionMetadata
+    ids: list[np.ndarray]  # per request, its input ids
+    logit_rows: np.ndarray  # batch token rows whose logits are computed
+    logit_ranges: list[tuple[int, int]]  # per request, its rows within `logit_rows`
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.device = pick_device(args.device)
+        self.dtype = pick_dtype(args.dtype, self.device)
+        torch.manual_seed(args.seed)
+        loaded = load_model(args, self.device, self.dtype)
+        self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
+        self.model_name = loaded.source.name
+        c = self.config
+        self.page_size = args.page_size
+        self.context_length = args.context_length or c.max_position_embeddings
+        self.kv_pool = self._allocate_kv_pool()
+        self.attn = create_backend(
+            args.attention_backend, c.num_heads, c.num_kv_heads, c.head_dim, self.device
+        )
+        self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
+        # req_to_page[slot, i]: the page holding positions [i * page_size, (i + 1) * page_size)
+        self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
+        self.sampler = Sampler(c.vocab_size, self.device, args.seed)
+        logger.info(
+            "worker ready: %s on %s/%s, %d KV pages x %d tokens, backend %s",
+            self.model_name, self.device, self.dtype, self.kv_pool.num_pages, self.page_size,
+            self.attn.name,
+        )  # fmt: skip
+
+    def _allocate_kv_pool(self) -> KVPool:
+        c, args = self.config, self.args
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        num_pages = num_pages_for(
+            args.max_total_tokens, self.page_size, self.device, per_token, args.mem_fraction_static
+        )
+        logger.info(
+            "KV pool: %d pages, %.2f GiB", num_pages, num_pages * self.page_size * per_token / 2**30
+        )
+        return KVPool(
+            c.num_layers,
+            num_pages,
+            self.page_size,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def ready_info(self) -> m.WorkerReady:
+        return m.WorkerReady(
+            num_pages=self.kv_pool.num_pages,
+            page_size=self.page_size,
+            context_length=self.context_length,
+            vocab_size=self.config.vocab_size,
+            eos_token_ids=list(self.config.eos_token_ids),
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.attn.name,
+        )
+
+    def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
+        return self.forward_with_logits(batch)[0]
+
+    @torch.inference_mode()
+    def forward_with_logits(
+        self, batch: m.ForwardBatch
+    ) -> tuple[m.ForwardResult, list[torch.Tensor | None]]:
+        """The step, plus each request's float32 logits rows (for tests; None where none were computed)."""
+        t0 = time.perf_counter()
+        for slot in batch.released_slots:
+            self.sampler.release(slot)
+        if not batch.reqs:
+            return m.ForwardResult(step=batch.step, results=[]), []
+        layout = self._prepare(batch.reqs)
+        self.attn.plan(layout.meta)
+        hidden = self.model(layout.input_ids, layout.meta.positions, self.attn, self.kv_pool)
+        rows = torch.from_numpy(layout.logit_rows).to(self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        per_req = [logits[a:b] if b > a else None for a, b in layout.logit_ranges]
+        results = self._results(batch.reqs, layout, per_req)
+        if self.device.type == "cuda":  # a step that returns no values would not wait otherwise
+            torch.cuda.synchronize(self.device)
+        forward_s = time.perf_counter() - t0
+        return m.ForwardResult(step=batch.step, results=results, forward_s=forward_s), per_req
+
+    # ------------------------------------------------------------------------------------------
+    # step preparation
+
+    def _prepare(self, reqs: list[m.ForwardReq]) -> _StepLayout:
+        ids = [m.unpack_ids(r.input_ids) for r in reqs]
+        if len({r.slot for r in reqs}) != len(reqs):
+            raise ValueError("a batch holds the same slot twice")
+        for r, req_ids in zip(reqs, ids):
+            self._admit(r, len(req_ids))
+        qo_lens = np.array([len(x) for x in ids], dtype=np.int32)
+        prefix_lens = np.array([r.start_pos for r in reqs], dtype=np.int32)
+        seq_lens = prefix_lens + qo_lens
+        num_pages = -(-seq_lens // self.page_size)
+        page_rows = [self.req_to_page[r.slot, :n] for r, n in zip(reqs, num_pages)]
+        for r, row in zip(reqs, page_rows):
+            if not row.all():  # 0 = never sent: K/V would land in the reserved page
+                raise ValueError(f"slot {r.slot}: no page for some of its first {len(row)} pages")
+        positions = np.concatenate([np.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
+        # the page of each new token, looked up in its own request's page row
+        token_pages = np.concatenate(
+            [
+                row[np.arange(p, s) // self.page_size]
+                for row, p, s in zip(page_rows, prefix_lens, seq_lens)
+            ]
+        )
+        out_cache_loc = token_pages.astype(np.int64) * self.page_size + positions % self.page_size
+        meta = self._metadata(
+            qo_lens, prefix_lens, seq_lens, num_pages, page_rows, positions, out_cache_loc
+        )
+        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(self.device)
+        self._observe_fed(reqs, input_ids, meta.qo_indptr_cpu)
+        logit_rows, logit_ranges = self._logit_rows(reqs, meta.qo_indptr_cpu)
+        return _StepLayout(input_ids, meta, ids, logit_rows, logit_ranges)
+
+    def _admit(self, r: m.ForwardReq, n_new: int) -> None:
+        """Validate one request's share and apply its new pages / new-slot reset."""
+        if not 0 <= r.slot < self.req_to_page.shape[0]:
+            raise ValueError(f"slot {r.slot} is outside [0, {self.req_to_page.shape[0]})")
+        if n_new == 0:
+            raise ValueError(f"slot {r.slot}: a forward request needs at least one input token")
+        if r.start_pos + n_new > self.context_length:
+            raise ValueError(
+                f"slot {r.slot}: {r.start_pos + n_new} tokens exceed the context length"
+            )
+        if r.new_slot:
+            self.req_to_page[r.slot] = 0
+            self.sampler.reset_slot(r.slot, r.sampling or m.SamplingParams())
+        elif r.slot not in self.sampler.slots:
+            raise ValueError(f"slot {r.slot} was never opened with new_slot=True")
+        pages = m.unpack_ids(r.new_pages)
+        if len(pages):
+            if pages.max() >= self.kv_pool.num_pages or pages.min() < 1:
+                raise ValueError(f"slot {r.slot}: page ids outside [1, {self.kv_pool.num_pages})")
+            end = r.page_offset + len(pages)
+            if r.page_offset < 0 or end > self.max_pages_per_slot:
+                raise ValueError(f"slot {r.slot}: pages [{r.page_offset}, {end}) overflow the row")
+            self.req_to_page[r.slot, r.page_offset : end] = pages
+
+    def _metadata(
+        self,
+        qo_lens: np.ndarray,
+        prefix_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        num_pages: np.ndarray,
+        page_rows: list[np.ndarray],
+        positions: np.ndarray,
+        out_cache_loc: np.ndarray,
+    ) -> AttentionMetadata:
+        qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        kv_indptr = np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32)
+        kv_page_indices = np.concatenate(page_rows).astype(np.int32)
+        last_page_len = (seq_lens - (num_pages - 1) * self.page_size).astype(np.int32)
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        return AttentionMetadata(
+            page_size=self.page_size,
+            num_tokens=int(qo_indptr[-1]),
+            qo_indptr_cpu=qo_indptr,
+            kv_indptr_cpu=kv_indptr,
+            kv_page_indices_cpu=kv_page_indices,
+            kv_last_page_len_cpu=last_page_len,
+            prefix_lens_cpu=prefix_lens,
+            seq_lens_cpu=seq_lens.astype(np.int32),
+            qo_indptr=dev(qo_indptr),
+            kv_indptr=dev(kv_indptr),
+            kv_page_indices=dev(kv_page_indices),
+            kv_last_page_len=dev(last_page_len),
+            seq_lens=dev(seq_lens.astype(np.int32)),
+            positions=dev(positions.astype(np.int64)),
+            out_cache_loc=dev(out_cache_loc),
+        )
+
+    def _observe_fed(
+        self, reqs: list[m.ForwardReq], input_ids: torch.Tensor, qo_indptr: np.ndarray
+    ) -> None:
+        for i, r in enumerate(reqs):
+            self.sampler.observe_fed(r.slot, input_ids[qo_indptr[i] : qo_indptr[i + 1]])
+
+    @staticmethod
+    def _logit_rows(
+        reqs: list[m.ForwardReq], qo_indptr: np.ndarray
+    ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """All rows for prompt logprobs, the last row for sampling, none otherwise."""
+        chunks, ranges, at = [], [], 0
+        for i, r in enumerate(reqs):
+            start, end = int(qo_indptr[i]), int(qo_indptr[i + 1])
+            if r.prompt_logprobs:
+                rows = np.arange(start, end)
+            else:
+                rows = np.arange(end - 1, end) if r.sample else np.arange(0)
+            chunks.append(rows)
+            ranges.append((at, at + len(rows)))
+            at += len(rows)
+        return np.concatenate(chunks).astype(np.int64), ranges
+
+    # ------------------------------------------------------------------------------------------
+    # results
+
+    def _results(
+        self,
+        reqs: list[m.ForwardReq],
+        layout: _StepLayout,
+        per_req: list[torch.Tensor | None],
+    ) -> list[m.ForwardReqResult]:
+        results = [m.ForwardReqResult() for _ in reqs]
+        sampled = [i for i, r in enumerate(reqs) if r.sample]
+        if sampled:
+            out = self.sampler.sample(
+                torch.cat([per_req[i][-1:] for i in sampled]),
+                [reqs[i].slot for i in sampled],
+                [reqs[i].return_logprob for i in sampled],
+                [reqs[i].top_logprobs_num for i in sampled],
+            )
+            for j, i in enumerate(sampled):
+                res = results[i]
+                res.next_id = out.next_ids[j]
+                res.logprob = out.logprobs[j]
+                if reqs[i].top_logprobs_num > 0:
+                    res.top_ids = m.pack_ids(out.top_ids[j])
+                    res.top_logprobs = m.pack_floats(out.top_logprobs[j])
+        for i, r in enumerate(reqs):
+            if r.prompt_logprobs:
+                results[i].prompt_logprobs = m.pack_floats(
+                    self._prompt_logprobs(r, layout.ids[i], per_req[i])
+                )
+        return results
+
+    def _prompt_logprobs(
+        self, r: m.ForwardReq, ids: np.ndarray, logits: torch.Tensor
+    ) -> np.ndarray:
+        """logprob of input_ids[1:] (and next_token when known), each given everything before it."""
+        targets = ids[1:].astype(np.int64)
+        if r.next_token >= 0:
+            targets = np.append(targets, r.next_token)
+        if len(targets) == 0:
+            return np.zeros(0, np.float32)
+        t = torch.from_numpy(targets).to(self.device)
+        return target_logprobs(logits[: len(targets)], t).cpu().numpy().astype(np.float32)

@@ -1,0 +1,321 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) in plain torch over a paged KV cache.
+
+Numerics follow Hugging Face transformers (RMSNorm in float32, RoPE with the rotate_half
+convention, cos/sin computed in float32 then cast), so logits match `LlamaForCausalLM` to float32
+rounding. Q/K/V and gate/up are fused into one matmul each; checkpoint tensors are sliced into
+the fused weights by `load_weights`. The model works on a flat batch of tokens (no padding): the
+attention backend knows which request each token belongs to.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radix_runtime.worker.attention.base import AttentionBackend
+from radix_runtime.worker.kv_pool import KVPool
+from radix_runtime.worker.model_config import ModelConfig
+
+# checkpoint name part -> (our fused parameter part, shard id)
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Allocation only: torch's nn.Linear would run an init we overwrite anyway."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with Llama 3 / linear scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
+    if config.rope_freq_factors is not None:  # GGUF's precomputed Llama 3 divisors
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        return inv_freq / float(scaling["factor"])
+    if scaling.get("rope_type") == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling (same formula as transformers' rope utils)."""
+    factor, low, high = (
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+    )
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin for the positions of a batch, computed on the fly (no max-length table)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self._inv_freq_cpu = rope_inv_freq(config)
+        self._inv_freq: torch.Tensor | None = None
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each [N, 1, head_dim], broadcasting over heads."""
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq_cpu.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.config = config
+        qkv_out = config.q_size + 2 * config.kv_size
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, config.qkv_bias, dtype)
+        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        c = self.config
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        out = attn.forward(self.layer_id, q, k, v, kv_pool)
+        return self.o_proj(out.reshape(-1, c.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, False, dtype)
+        self.down_proj = Linear(inter, config.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, kv_pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names mirror Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, dtype)
+        )
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        """input_ids/positions [N] -> final hidden states [N, hidden] (after the last norm)."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, attn, kv_pool)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> float32 [R, vocab]; called only on the rows that need logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill the parameters from checkpoint tensors named as in HF, or already fused as ours.
+
+        A tensor that already has a parameter's exact shape, dtype and device becomes that
+        parameter (no copy: a memory-mapped safetensors cache loads without touching its pages);
+        others are copied, into their row slice for the q/k/v and gate/up shards.
+        Every parameter must be filled.
+        """
+        params = dict(self.named_parameters())
+        missing = {name: set(_shards_of(name)) for name in params}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (
+                name == "lm_head.weight" and self.lm_head is None
+            ):
+                continue
+            target, shard = fused_name(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            self._fill(params[target], shard, tensor, name)
+            # a whole-parameter tensor (shard None) fills every shard of a fused parameter
+            missing[target] -= set(_shards_of(target)) if shard is None else {shard}
+        unfilled = sorted(name for name, shards in missing.items() if shards)
+        if unfilled:
+            raise ValueError(f"the checkpoint did not fill {unfilled[:8]} ({len(unfilled)} in all)")
+
+    def _fill(
+        self, param: nn.Parameter, shard: str | int | None, tensor: torch.Tensor, name: str
+    ) -> None:
+        dst = param.data[shard_rows(self.config, shard, param.shape[0])]
+        if dst.shape != tensor.shape:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(dst.shape)}"
+            )
+        same_layout = tensor.dtype == dst.dtype and tensor.device == dst.device
+        if shard is None and same_layout and tensor.is_contiguous():
+            param.data = tensor
+        else:
+            dst.copy_(tensor)
+
+
+def fused_name(name: str) -> tuple[str, str | int | None]:
+    """Checkpoint name -> (our parameter name, shard id or None when it fills the whole parameter)."""
+    for part, (fused, shard) in _STACKED.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def _shards_of(param_name: str) -> list[str | int | None]:
+    if ".qkv_proj." in param_name:
+        return ["q", "k", "v"]
+    if ".gate_up_proj." in param_name:
+        return [0, 1]
+    return [None]
+
+
+def shard_rows(config: ModelConfig, shard: str | int | None, total: int) -> slice:
+    """The rows of a fused parameter that one checkpoint shard fills."""
+    q, kv = config.q_size, config.kv_size
+    if shard == "q":
+        return slice(0, q)
+    if shard == "k":
+        return slice(q, q + kv)
+    if shard == "v":
+        return slice(q + kv, q + 2 * kv)
+    if isinstance(shard, int):
+        return slice(shard * config.intermediate_size, (shard + 1) * config.intermediate_size)
+    return slice(0, total)
+
+
+def fuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> our parameter layout (q/k/v and gate/up concatenated), same dtype.
+
+    Used for the GGUF conversion cache, so a cached load is a plain name-for-name assignment.
+    """
+    fused: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[str | int | None, torch.Tensor]] = {}
+    for name, tensor in weights:
+        target, shard = fused_name(name)
+        if shard is None:
+            fused[target] = tensor
+        else:
+            shards.setdefault(target, {})[shard] = tensor
+    for target, parts in shards.items():
+        fused[target] = torch.cat([parts[s] for s in _shards_of(target)])
+    return fused
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Allocate the parameters uninitialised on `device` (no init kernels, no CPU detour)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, dtype)
+    model = model.to_empty(device=device)
+    model.requires_grad_(False)
+    return model.eval()
