@@ -200,6 +200,11 @@ class ForwardReq(msgspec.Struct, omit_defaults=True):
     top_logprobs_num: int = 0
     prompt_logprobs: bool = False  # return logprob of input_ids[1:] (+ next_token) given the prefix
     next_token: int = -1  # the prompt token after this chunk (for prompt logprobs), -1 if none
+    # with new_slot, when the request uses penalties: the tokens before start_pos (cached or
+    # computed in an earlier slot) and the outputs generated before a retraction, so
+    # repetition/frequency/presence penalties see the whole history
+    history_ids: bytes = b""  # int32
+    prior_output_ids: bytes = b""  # int32
 
 
 class ForwardBatch(_Msg):

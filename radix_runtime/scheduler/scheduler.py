@@ -85,6 +85,18 @@ class Scheduler:
         return self.allocator.total_pages * self.page_size
 
     def add_request(self, msg: GenerateReq) -> None:
+        if len(msg.input_ids) % 4:
+            # NOTE: not raw int32s, so not from our tokenizer: refuse it rather than crash
+            logger.warning("dropped request %r: input_ids is not an int32 buffer", msg.rid)
+            self.outbox.append(
+                ReqOutput(
+                    rid=msg.rid,
+                    finish_reason="error",
+                    error="input_ids is not an int32 buffer",
+                    error_code="invalid_request",
+                )
+            )
+            return
         prompt = unpack_ids(msg.input_ids).copy()
         error = self._reject_reason(msg, prompt)
         if error is not None:
@@ -288,6 +300,9 @@ class Scheduler:
             prompt_logprobs=want_prompt_lp,
             next_token=next_token,
         )
+        if new_slot and req.sampling.needs_penalties:
+            fr.history_ids = pack_ids(req.ids_slice(0, start))
+            fr.prior_output_ids = pack_ids(req.output_ids)
         req.slot_started = True
         req.sent_pages = len(req.pages)
         return fr

@@ -21,8 +21,9 @@ import torch
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
-from radix_runtime.worker.attention import create_backend
+from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
+from radix_runtime.worker.cuda_graph import CudaGraphRunner
 from radix_runtime.worker.kv_pool import KVPool, num_pages_for
 from radix_runtime.worker.loader import load_model
 from radix_runtime.worker.sampler import Sampler, target_logprobs
@@ -71,17 +72,43 @@ class ModelRunner:
         self.context_length = args.context_length or c.max_position_embeddings
         self.kv_pool = self._allocate_kv_pool()
         self.attn = create_backend(
-            args.attention_backend, c.num_heads, c.num_kv_heads, c.head_dim, self.device
+            self._backend_name(), c.num_heads, c.num_kv_heads, c.head_dim, self.device
         )
+        self.attn.bind_pool(self.kv_pool)
         self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
         # req_to_page[slot, i]: the page holding positions [i * page_size, (i + 1) * page_size)
         self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
         self.sampler = Sampler(c.vocab_size, self.device, args.seed)
+        if self._fused_ops_available():
+            self.model.enable_fused_ops()
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if self.attn.supports_cuda_graph and not args.disable_cuda_graph:
+            max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+            self.cuda_graphs = CudaGraphRunner(
+                self.model, self.attn, self.kv_pool, max_bs, self.max_pages_per_slot, self.device
+            )
         logger.info(
-            "worker ready: %s on %s/%s, %d KV pages x %d tokens, backend %s",
+            "worker ready: %s on %s/%s, %d KV pages x %d tokens, backend %s, CUDA graphs %s",
             self.model_name, self.device, self.dtype, self.kv_pool.num_pages, self.page_size,
-            self.attn.name,
+            self.attn.name, "on" if self.cuda_graphs else "off",
         )  # fmt: skip
+
+    def _backend_name(self) -> str:
+        """auto: flashinfer on CUDA in bf16/fp16 (it has no float32 kernels), else torch."""
+        name = resolve_backend_name(self.args.attention_backend, self.device)
+        if self.args.attention_backend == "auto" and self.dtype == torch.float32:
+            return "torch"
+        return name
+
+    def _fused_ops_available(self) -> bool:
+        """The fused CUDA kernels (gpu_ops) need a GPU, bf16/fp16, Triton and FlashInfer."""
+        if self.device.type != "cuda" or self.dtype == torch.float32:
+            return False
+        try:
+            from radix_runtime.worker import gpu_ops
+        except ImportError:  # no Triton
+            return False
+        return gpu_ops.available()
 
     def _allocate_kv_pool(self) -> KVPool:
         c, args = self.config, self.args
@@ -115,29 +142,46 @@ class ModelRunner:
         )
 
     def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
-        return self.forward_with_logits(batch)[0]
+        return self._forward(batch, keep_logits=False)[0]
 
-    @torch.inference_mode()
     def forward_with_logits(
         self, batch: m.ForwardBatch
     ) -> tuple[m.ForwardResult, list[torch.Tensor | None]]:
         """The step, plus each request's float32 logits rows (for tests; None where none were computed)."""
+        return self._forward(batch, keep_logits=True)
+
+    @torch.inference_mode()
+    def _forward(
+        self, batch: m.ForwardBatch, keep_logits: bool
+    ) -> tuple[m.ForwardResult, list[torch.Tensor | None]]:
         t0 = time.perf_counter()
         for slot in batch.released_slots:
             self.sampler.release(slot)
         if not batch.reqs:
             return m.ForwardResult(step=batch.step, results=[]), []
         layout = self._prepare(batch.reqs)
-        self.attn.plan(layout.meta)
-        hidden = self.model(layout.input_ids, layout.meta.positions, self.attn, self.kv_pool)
-        rows = torch.from_numpy(layout.logit_rows).to(self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self._logits(layout, keep_logits)
         per_req = [logits[a:b] if b > a else None for a, b in layout.logit_ranges]
-        results = self._results(batch.reqs, layout, per_req)
+        results = self._results(batch.reqs, layout, logits, per_req)
         if self.device.type == "cuda":  # a step that returns no values would not wait otherwise
             torch.cuda.synchronize(self.device)
         forward_s = time.perf_counter() - t0
         return m.ForwardResult(step=batch.step, results=results, forward_s=forward_s), per_req
+
+    def _logits(self, layout: _StepLayout, keep: bool) -> torch.Tensor:
+        """float32 logits of `layout.logit_rows`: a CUDA graph replay for decode-only batches
+        that fit one (its output buffer is reused by the next replay: `keep` copies it out),
+        else plan + an eager forward."""
+        meta = layout.meta
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            logits = self.cuda_graphs.replay(meta, np.concatenate(layout.ids))
+            if len(layout.logit_rows) < meta.batch_size:  # some 1-token chunk samples nothing
+                return logits[torch.from_numpy(layout.logit_rows).to(self.device)]
+            return logits.clone() if keep else logits
+        self.attn.plan(meta)
+        hidden = self.model(layout.input_ids, meta.positions, self.attn, self.kv_pool)
+        rows = torch.from_numpy(layout.logit_rows).to(self.device)
+        return self.model.compute_logits(hidden[rows])
 
     # ------------------------------------------------------------------------------------------
     # step preparation
@@ -185,7 +229,12 @@ class ModelRunner:
             )
         if r.new_slot:
             self.req_to_page[r.slot] = 0
-            self.sampler.reset_slot(r.slot, r.sampling or m.SamplingParams())
+            self.sampler.reset_slot(
+                r.slot,
+                r.sampling or m.SamplingParams(),
+                history=m.unpack_ids(r.history_ids),
+                prior_outputs=m.unpack_ids(r.prior_output_ids),
+            )
         elif r.slot not in self.sampler.slots:
             raise ValueError(f"slot {r.slot} was never opened with new_slot=True")
         pages = m.unpack_ids(r.new_pages)
@@ -212,9 +261,11 @@ class ModelRunner:
         kv_page_indices = np.concatenate(page_rows).astype(np.int32)
         last_page_len = (seq_lens - (num_pages - 1) * self.page_size).astype(np.int32)
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
+        # two host->device copies for the whole metadata instead of one per array
+        qo_indptr_d, kv_indptr_d, indices_d, last_page_len_d, seq_lens_d = self._to_device(
+            [qo_indptr, kv_indptr, kv_page_indices, last_page_len, seq_lens], np.int32
+        )
+        positions_d, out_cache_loc_d = self._to_device([positions, out_cache_loc], np.int64)
         return AttentionMetadata(
             page_size=self.page_size,
             num_tokens=int(qo_indptr[-1]),
@@ -224,14 +275,19 @@ class ModelRunner:
             kv_last_page_len_cpu=last_page_len,
             prefix_lens_cpu=prefix_lens,
             seq_lens_cpu=seq_lens.astype(np.int32),
-            qo_indptr=dev(qo_indptr),
-            kv_indptr=dev(kv_indptr),
-            kv_page_indices=dev(kv_page_indices),
-            kv_last_page_len=dev(last_page_len),
-            seq_lens=dev(seq_lens.astype(np.int32)),
-            positions=dev(positions.astype(np.int64)),
-            out_cache_loc=dev(out_cache_loc),
+            qo_indptr=qo_indptr_d,
+            kv_indptr=kv_indptr_d,
+            kv_page_indices=indices_d,
+            kv_last_page_len=last_page_len_d,
+            seq_lens=seq_lens_d,
+            positions=positions_d,
+            out_cache_loc=out_cache_loc_d,
         )
+
+    def _to_device(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
+        """One copy of the concatenated arrays; returns contiguous views, one per array."""
+        flat = np.concatenate(arrays).astype(dtype, copy=False)
+        return list(torch.from_numpy(flat).to(self.device).split([len(a) for a in arrays]))
 
     def _observe_fed(
         self, reqs: list[m.ForwardReq], input_ids: torch.Tensor, qo_indptr: np.ndarray
@@ -263,13 +319,17 @@ class ModelRunner:
         self,
         reqs: list[m.ForwardReq],
         layout: _StepLayout,
+        logits: torch.Tensor,
         per_req: list[torch.Tensor | None],
     ) -> list[m.ForwardReqResult]:
         results = [m.ForwardReqResult() for _ in reqs]
         sampled = [i for i, r in enumerate(reqs) if r.sample]
         if sampled:
+            last_rows = [layout.logit_ranges[i][1] - 1 for i in sampled]
+            if len(last_rows) < len(logits):  # prompt-logprob rows in between
+                logits = logits[torch.tensor(last_rows, device=logits.device)]
             out = self.sampler.sample(
-                torch.cat([per_req[i][-1:] for i in sampled]),
+                logits,
                 [reqs[i].slot for i in sampled],
                 [reqs[i].return_logprob for i in sampled],
                 [reqs[i].top_logprobs_num for i in sampled],

@@ -62,13 +62,28 @@ class Sampler:
     # ------------------------------------------------------------------------------------------
     # per-slot state
 
-    def reset_slot(self, slot: int, params: SamplingParams) -> None:
+    def reset_slot(
+        self,
+        slot: int,
+        params: SamplingParams,
+        history: np.ndarray | None = None,
+        prior_outputs: np.ndarray | None = None,
+    ) -> None:
+        """`history`: tokens before the first fed one (a cached prefix); `prior_outputs`: tokens
+        generated before a retraction. Both count for the penalties."""
         state = SlotState(params)
         if params.seed is not None:
             state.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.needs_penalties:
             state.output_counts = torch.zeros(self.vocab_size, device=self.device)
             state.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            if history is not None and len(history):
+                state.seen[torch.from_numpy(history.astype(np.int64)).to(self.device)] = True
+            if prior_outputs is not None and len(prior_outputs):
+                ids = torch.from_numpy(prior_outputs.astype(np.int64)).to(self.device)
+                state.output_counts += torch.bincount(ids, minlength=self.vocab_size)[
+                    : self.vocab_size
+                ].float()
         bias = {t: b for t, b in params.logit_bias.items() if 0 <= int(t) < self.vocab_size}
         if len(bias) != len(params.logit_bias):
             logger.warning("dropped logit_bias entries outside the vocabulary")
@@ -98,6 +113,18 @@ class Sampler:
     ) -> SampleOutput:
         """One next token per row of `logits` [B, V] (float32), row i belonging to slots[i]."""
         states = [self.slots[s] for s in slots]
+        if (
+            not any(return_logprob)
+            and not any(top_logprobs_num)
+            and all(
+                st.params.greedy and st.bias_ids is None and st.output_counts is None
+                for st in states
+            )
+        ):  # plain greedy rows (benchmarks, most tests): one argmax, no copies
+            n = len(states)
+            empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+            next_ids = logits.argmax(dim=-1).tolist()
+            return SampleOutput(next_ids, [0.0] * n, [empty_i] * n, [empty_f] * n)
         shaped = self._apply_bias_and_penalties(logits.clone(), states)
         next_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
         greedy = [i for i, st in enumerate(states) if st.params.greedy]
