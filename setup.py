@@ -1,6 +1,58 @@
 """radix_runtime: an SGLang-style LLM serving runtime around a radix tree of KV-cache pages."""
 
+import sys
+
 from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+try:  # pyproject.toml's [build-system] provides it; without it the Python tree is used
+    from pybind11.setup_helpers import Pybind11Extension
+except ImportError:
+    Pybind11Extension = None
+
+
+class OptionalBuildExt(build_ext):
+    """Builds the C++ radix tree (csrc/) when it can. A failed build only warns: the install
+    succeeds and `--radix-tree-impl auto` falls back to the Python tree."""
+
+    failed = False
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # no compiler, no Python headers, ...
+            if not self.failed:  # else it is the missing output of the failed build
+                self._warn(exc)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            self.failed = True
+            self._warn(exc)
+
+    @staticmethod
+    def _warn(exc: Exception) -> None:
+        print(
+            f"WARNING: the C++ radix tree was not built ({exc}); the Python tree will be used",
+            file=sys.stderr,
+        )
+
+
+ext_modules = []
+if Pybind11Extension is not None:
+    ext_modules.append(
+        Pybind11Extension(
+            "radix_runtime.scheduler._radix_tree",
+            ["csrc/radix_tree.cpp", "csrc/page_allocator.cpp", "csrc/bindings.cpp"],
+            include_dirs=["csrc"],
+            depends=["csrc/radix_tree.h", "csrc/page_allocator.h"],
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        )
+    )
+else:
+    print("WARNING: pybind11 is not installed; the C++ radix tree is not built", file=sys.stderr)
 
 setup(
     name="radix_runtime",
@@ -41,5 +93,7 @@ setup(
         ],
         "bench": ["matplotlib", "httpx"],
     },
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": OptionalBuildExt},
     entry_points={"console_scripts": ["radix-runtime=radix_runtime.cli:main"]},
 )

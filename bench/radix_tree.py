@@ -5,14 +5,18 @@ message, then "generates" an output; the finished request inserts prompt + outpu
 turn hits its history. A bounded number of requests is in flight (their matched nodes locked),
 and the KV pool holds only a fraction of the trace's distinct tokens, so eviction runs.
 
-    python bench/radix_tree.py                       # defaults: 64 clients x 16 rounds
+    python bench/radix_tree.py                       # defaults: 64 clients x 16 rounds, both
+    python bench/radix_tree.py --impl python         # one implementation
     python bench/radix_tree.py --page-size 16 --json out.json
 
 Reports ops/s and microseconds per op by prefix-length bucket, the cache hit rate next to the
 optimal (infinite cache) rate of the same trace, and a standalone match of an 8,192-token cached
 prefix next to its floor: one numpy comparison of the same 8,192 tokens.
 
-Implementations are created by one factory per name in IMPLS; a C++ twin is one more entry.
+Implementations are created by one factory per name in IMPLS. By default both run on the same
+trace, the Python tree (the reference) first, and the JSON holds one section per implementation
+(`ops_per_s` over every timed op, `match_8k_cached_us`: the 16-edge 8,192-token match) and
+`speedup` (cpp ops/s over python ops/s).
 """
 
 from __future__ import annotations
@@ -47,9 +51,17 @@ def make_python(page_size: int, num_pages: int):
     return allocator, RadixCache(page_size, allocator)
 
 
+def make_cpp(page_size: int, num_pages: int):
+    """The C++ tree (csrc/) with the C++ allocator; ImportError when the extension is not built."""
+    from radix_runtime.scheduler.radix_cache_cpp import CppPageAllocator, CppRadixCache
+
+    allocator = CppPageAllocator(num_pages)
+    return allocator, CppRadixCache(page_size, allocator)
+
+
 # name -> factory(page_size, num_pages) -> (allocator, cache) with the interface of
-# radix_runtime.scheduler.{allocator,radix_cache}. Add "cpp" here.
-IMPLS: dict[str, Callable] = {"python": make_python}
+# radix_runtime.scheduler.{allocator,radix_cache}.
+IMPLS: dict[str, Callable] = {"python": make_python, "cpp": make_cpp}
 
 
 # ---------------------------------------------------------------- timing
@@ -286,9 +298,42 @@ def print_report(impl: str, cfg: TraceConfig, trace: dict, micro: dict, wall_s: 
         print(f"{key:<44}{value:>9.2f} us (median)")
 
 
+def run_impl(name: str, cfg: TraceConfig, reps: int, progress: bool) -> dict:
+    factory = IMPLS[name]
+    t0 = time.perf_counter()
+    runner = TraceRunner(cfg, factory)
+    runner.run(progress=progress)
+    wall = time.perf_counter() - t0
+    trace = runner.report()
+
+    ps = cfg.page_size
+    micro = {
+        "match 8192 cached tokens, 1 edge": bench_long_match(factory, ps, 8192, 1, reps),
+        "match 8192 cached tokens, 16 edges": bench_long_match(factory, ps, 8192, 16, reps),
+        "match 32768 cached tokens, 64 edges": bench_long_match(factory, ps, 32768, 64, reps // 4),
+        "floor: np.array_equal of 8192 tokens": bench_compare_floor(8192, reps),
+        "floor: np.array_equal of 32768 tokens": bench_compare_floor(32768, reps),
+    }
+    print_report(name, cfg, trace, micro, wall)
+    times = runner.times.values()
+    return {
+        # every timed op of the trace (match, insert, evict) over their summed time
+        "ops_per_s": sum(len(t.ns) for t in times) / (sum(sum(t.ns) for t in times) / 1e9),
+        "match_8k_cached_us": micro["match 8192 cached tokens, 16 edges"],
+        "trace": trace,
+        "micro_us": micro,
+        "wall_s": wall,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--impl", choices=sorted(IMPLS), default="python")
+    p.add_argument(
+        "--impl",
+        choices=[*sorted(IMPLS), "both"],
+        default="both",
+        help="both: python then cpp on the same trace, with the speedup (default)",
+    )
     for f in TraceConfig.__dataclass_fields__.values():
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--reps", type=int, default=2000, help="repetitions of the standalone match")
@@ -296,35 +341,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     cfg = TraceConfig(**{k: getattr(args, k) for k in TraceConfig.__dataclass_fields__})
-    factory = IMPLS[args.impl]
+    impls = ["python", "cpp"] if args.impl == "both" else [args.impl]
 
-    t0 = time.perf_counter()
-    runner = TraceRunner(cfg, factory)
-    runner.run(progress=not args.no_progress)
-    wall = time.perf_counter() - t0
-    trace = runner.report()
-
-    ps = cfg.page_size
-    micro = {
-        "match 8192 cached tokens, 1 edge": bench_long_match(factory, ps, 8192, 1, args.reps),
-        "match 8192 cached tokens, 16 edges": bench_long_match(factory, ps, 8192, 16, args.reps),
-        "match 32768 cached tokens, 64 edges": bench_long_match(
-            factory, ps, 32768, 64, args.reps // 4
-        ),
-        "floor: np.array_equal of 8192 tokens": bench_compare_floor(8192, args.reps),
-        "floor: np.array_equal of 32768 tokens": bench_compare_floor(32768, args.reps),
-    }
-    print_report(args.impl, cfg, trace, micro, wall)
-    result = {
-        "impl": args.impl,
-        "config": asdict(cfg),
-        "trace": trace,
-        "micro_us": micro,
-        "wall_s": wall,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "machine": platform.machine(),
-    }
+    result: dict = {"config": asdict(cfg)}
+    for name in impls:
+        result[name] = run_impl(name, cfg, args.reps, progress=not args.no_progress)
+    if len(impls) == 2:
+        py, cpp = result["python"], result["cpp"]
+        result["speedup"] = cpp["ops_per_s"] / py["ops_per_s"]
+        result["match_8k_speedup"] = py["match_8k_cached_us"] / cpp["match_8k_cached_us"]
+        print(f"\n{'':<12}{'ops/s':>12}{'match 8k (16 edges)':>22}")
+        for name in impls:
+            r = result[name]
+            print(f"{name:<12}{r['ops_per_s']:>12,.0f}{r['match_8k_cached_us']:>19.2f} us")
+        print(
+            f"speedup: {result['speedup']:.1f}x ops/s, {result['match_8k_speedup']:.1f}x match 8k "
+            "(goals: >= 10x, match 8k <= 20 us)"
+        )
+    result.update(
+        python_version=platform.python_version(),
+        numpy=np.__version__,
+        machine=platform.machine(),
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

@@ -407,24 +407,25 @@ class RadixCache:
             f"unlocked leaves (missing {len(leaves - live)}, extra {len(live - leaves)})"
         )
 
-        alloc = self.allocator
-        held = _EMPTY if held_pages is None else np.asarray(held_pages, dtype=np.int32)
-        free = alloc.free_page_ids()
-        assert alloc.free_pages + self.cached_pages + len(held) == alloc.total_pages, (
-            f"free {alloc.free_pages} + evictable {self._evictable} + protected "
-            f"{self._protected} + held {len(held)} != total {alloc.total_pages}"
-        )
-        every = np.concatenate([free, held] + [node.pages for node in nodes])
-        assert every.size == 0 or (every.min() >= 1 and every.max() <= alloc.total_pages), (
-            "a page id out of range (or the reserved page 0) is in use"
-        )
-        counts = np.bincount(every, minlength=alloc.num_pages)
-        assert (counts[1:] == 1).all(), (
-            f"pages not owned exactly once: {(np.flatnonzero(counts[1:] != 1) + 1)[:10].tolist()}"
+        check_page_ownership(
+            self.allocator, self._evictable, self._protected, [n.pages for n in nodes], held_pages
         )
 
+    def dump(self) -> list[tuple]:
+        """The state as plain data: (id, parent id, tokens, pages, lock_ref, last_access) per node,
+        sorted by id. Two trees driven alike dump equal (the C++ twin's differential test).
+        Works on any tree with this node interface (CppRadixCache reuses it)."""
+        out = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            key, pages = tuple(node.key.tolist()), tuple(node.pages.tolist())
+            out.append((node.id, node.parent.id, key, pages, node.lock_ref, node.last_access))
+            stack.extend(node.children.values())
+        return sorted(out)
+
     def pretty(self, max_tokens: int = 8) -> str:
-        lines = [f"RadixCache(page_size={self.page_size}) {self.stats()}"]
+        lines = [f"{type(self).__name__}(page_size={self.page_size}) {self.stats()}"]
         stack = [(child, 1) for child in sorted(self.root.children.values(), key=lambda c: -c.id)]
         while stack:
             node, depth = stack.pop()
@@ -438,3 +439,28 @@ class RadixCache:
                 (c, depth + 1) for c in sorted(node.children.values(), key=lambda c: -c.id)
             )
         return "\n".join(lines)
+
+
+def check_page_ownership(
+    allocator: PageAllocator,
+    evictable: int,
+    protected: int,
+    tree_pages: list[np.ndarray],
+    held_pages: np.ndarray | None,
+) -> None:
+    """The allocator side of a tree's check_integrity (shared with the C++ twin): every page is
+    free, cached in the tree (`tree_pages`) or held by a running request, exactly once."""
+    held = _EMPTY if held_pages is None else np.asarray(held_pages, dtype=np.int32)
+    free = allocator.free_page_ids()
+    assert allocator.free_pages + evictable + protected + len(held) == allocator.total_pages, (
+        f"free {allocator.free_pages} + evictable {evictable} + protected "
+        f"{protected} + held {len(held)} != total {allocator.total_pages}"
+    )
+    every = np.concatenate([free, held, *tree_pages])
+    assert every.size == 0 or (every.min() >= 1 and every.max() <= allocator.total_pages), (
+        "a page id out of range (or the reserved page 0) is in use"
+    )
+    counts = np.bincount(every, minlength=allocator.num_pages)
+    assert (counts[1:] == 1).all(), (
+        f"pages not owned exactly once: {(np.flatnonzero(counts[1:] != 1) + 1)[:10].tolist()}"
+    )

@@ -1,0 +1,141 @@
+"""The radix tree in C++ (csrc/radix_tree.cpp) behind RadixCache's exact interface, and the page
+allocator's C++ twin (csrc/page_allocator.cpp).
+
+The Python `RadixCache` (radix_cache.py) is the readable reference; this is its twin for the
+scheduler's hot path. Both take the same steps in the same order: the same node ids, LRU clock
+and heap, the same splits, the same eviction order and the same order of freed pages, so either
+can replace the other mid-design (tests/unit/test_radix_cache_cpp.py runs them side by side).
+
+Token and page arrays cross into C++ as int32 numpy buffers. Nodes are C++ objects with the
+Python node's read interface (`id`, `parent`, `key`, `pages`, `children`, `lock_ref`,
+`last_access`); `key`, `pages` and `children` are built on each access (copies), so they are
+for tests and debugging, not hot loops. Importing this module raises ImportError when the
+extension is not built; `scheduler/cache.py` then falls back to the Python tree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radix_runtime.scheduler import _radix_tree
+from radix_runtime.scheduler.allocator import PageAllocator
+from radix_runtime.scheduler.radix_cache import (
+    _EMPTY,
+    InsertResult,
+    MatchResult,
+    RadixCache,
+    _as_tokens,
+    check_page_ownership,
+)
+
+TreeNode = _radix_tree.TreeNode
+# The twin of allocator.PageAllocator (same interface, same LIFO order, same checks and errors):
+# evictions free thousands of pages at a time, which the numpy allocator checks slower than the
+# C++ tree evicts them. The tree works with either allocator.
+CppPageAllocator = _radix_tree.PageAllocator
+
+
+class CppRadixCache:
+    def __init__(
+        self, page_size: int, allocator: PageAllocator | CppPageAllocator, disable: bool = False
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.allocator = allocator
+        self.disable = disable
+        self._tree = _radix_tree.RadixTree(page_size, MatchResult, InsertResult)
+        # With the C++ allocator, evicted pages go back to it without crossing into Python.
+        self._cpp_allocator = isinstance(allocator, CppPageAllocator)
+
+    # ---- sizes ----
+
+    @property
+    def root(self) -> TreeNode:
+        return self._tree.root
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._tree.evictable_pages
+
+    @property
+    def protected_pages(self) -> int:
+        return self._tree.protected_pages
+
+    @property
+    def cached_pages(self) -> int:
+        return self._tree.evictable_pages + self._tree.protected_pages
+
+    def stats(self) -> dict:
+        tree = self._tree
+        return {
+            "nodes": tree.num_nodes,
+            "cached_pages": tree.evictable_pages + tree.protected_pages,
+            "evictable_pages": tree.evictable_pages,
+            "protected_pages": tree.protected_pages,
+        }
+
+    # ---- match / insert ----
+
+    def match_prefix(self, tokens) -> MatchResult:
+        if self.disable:
+            return MatchResult(_EMPTY, 0, self._tree.root)
+        return self._tree.match_prefix(tokens)
+
+    def insert(self, tokens, pages) -> InsertResult:
+        if self.disable:  # all "duplicates": the caller frees them
+            tokens = _as_tokens(tokens)
+            num_pages = len(tokens) // self.page_size
+            if np.asarray(pages).size != num_pages:
+                raise ValueError(
+                    f"{len(tokens)} tokens need {num_pages} pages, got {np.asarray(pages).size}"
+                )
+            return InsertResult(num_pages * self.page_size, self._tree.root)
+        return self._tree.insert(tokens, pages)
+
+    # ---- locks ----
+
+    def lock(self, node: TreeNode) -> None:
+        self._tree.lock(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self._tree.unlock(node)
+
+    # ---- eviction ----
+
+    def evict(self, num_pages: int) -> int:
+        if self._cpp_allocator:
+            return self._tree.evict_into(self.allocator, num_pages)
+        freed, pages = self._tree.evict(num_pages)
+        if freed:
+            self.allocator.free(pages)
+        return freed
+
+    def reset(self) -> None:
+        if self._cpp_allocator:
+            self._tree.reset_into(self.allocator)
+        else:
+            self.allocator.free(self._tree.reset())
+
+    # ---- debugging ----
+
+    def check_integrity(
+        self, expect_unlocked: bool = False, held_pages: np.ndarray | None = None
+    ) -> None:
+        """The same checks as RadixCache.check_integrity: the tree, counters and heap in C++
+        (an AssertionError on failure), the page accounting against the allocator here."""
+        tree = self._tree
+        if self.disable:
+            assert not tree.root.children, "disabled cache holds nodes"
+        tree.check_integrity(expect_unlocked)
+        check_page_ownership(
+            self.allocator,
+            tree.evictable_pages,
+            tree.protected_pages,
+            [tree.all_pages()],
+            held_pages,
+        )
+
+    # Both read the tree only through the node interface, which the C++ nodes share.
+    dump = RadixCache.dump
+    pretty = RadixCache.pretty
