@@ -67,6 +67,7 @@ class AttentionBackend(ABC):
     """One instance per runner. Heads are [num_heads | num_kv_heads] x head_dim; GQA is allowed."""
 
     name: str = "base"
+    supports_cuda_graph = False  # True: has init_cuda_graph_state / plan_cuda_graph
 
     def __init__(
         self,
@@ -80,6 +81,10 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.device = device
+
+    def bind_pool(self, kv_pool: KVPool) -> None:
+        """Called once, after the runner allocated the pool (dtype, page size are known then)."""
+        self.kv_dtype = kv_pool.dtype
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:

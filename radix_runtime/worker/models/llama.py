@@ -201,6 +201,13 @@ class LlamaForCausalLM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, False, dtype)
         )
         self.rotary = RotaryEmbedding(config)
+        self._ops = None  # radix_runtime.worker.gpu_ops once enable_fused_ops() was called
+
+    def enable_fused_ops(self) -> None:
+        """Run the CUDA path (`gpu_ops`: fused kernels, bf16/fp16) from now on."""
+        from radix_runtime.worker import gpu_ops
+
+        self._ops = gpu_ops
 
     def forward(
         self,
@@ -212,13 +219,47 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [N] -> final hidden states [N, hidden] (after the last norm)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        if self._ops is not None:
+            return self._forward_fused(h, cos, sin, attn, kv_pool)
         for layer in self.model.layers:
             h = layer(h, cos, sin, attn, kv_pool)
         return self.model.norm(h)
 
+    def _forward_fused(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        """The same layers in fewer kernels: each residual add fused into the next RMSNorm
+        (the residual stream is carried separately and updated in place), RoPE on q and k in
+        one kernel, SiLU-and-mul in one kernel, batch-1 projections as Triton GEMVs."""
+        ops, c = self._ops, self.config
+        eps = c.rms_norm_eps
+        layers = self.model.layers
+        residual = h
+        x = ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            if i > 0:  # residual += h (the previous MLP's output); x = norm(residual)
+                x = ops.fused_add_rmsnorm(h, residual, layer.input_layernorm.weight, eps)
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = ops.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+            q, k = ops.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)
+            v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
+            out = attn.forward(a.layer_id, q, k, v, kv_pool).view(-1, c.q_size)
+            h = ops.linear(out, a.o_proj.weight, a.o_proj.bias)
+            x = ops.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
+            gate_up = ops.linear(x, mlp.gate_up_proj.weight, None)
+            h = ops.linear(ops.silu_and_mul(gate_up), mlp.down_proj.weight, None)
+        return ops.fused_add_rmsnorm(h, residual, self.model.norm.weight, eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> float32 [R, vocab]; called only on the rows that need logits."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self._ops is not None:
+            return self._ops.linear(hidden, weight, None).float()
         return F.linear(hidden, weight).float()
 
     # ------------------------------------------------------------------------------------------

@@ -1,0 +1,433 @@
+"""The GPU worker on its own: decode and prefill speed of the ModelRunner against the machine's
+ceilings, measured in the same run.
+
+Drives `ModelRunner.forward` in-process with real ForwardBatch messages (no server, no
+scheduler): Llama-3.1-8B shape, bf16, dummy weights by default. Reports
+- ceilings: `copy_TBps` (device-to-device copy, bytes read + written) and `matmul_TFLOPs`
+  (8192^3 bf16 on random data);
+- decode at batch 1 / 64 / 256 over 1,024-token contexts (the pool pages are filled with random
+  K/V rather than prefilled: attention reads the same bytes either way). Batch 1 is compared with
+  the roofline: weight bytes read per step / step time / copy bandwidth;
+- prefill of 8,192 tokens in one chunk, as MFU: model FLOPs / time / matmul ceiling;
+- cached TTFT: the same 8,192-token prompt with its first 7,936 tokens already in the pool.
+Step times are host wall-clock around `forward` (which synchronizes), so they include planning,
+copies and sampling: what a server step costs.
+
+    python bench/gpu_worker.py --out docs/results/h200_gpu_worker.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import safe_token_range
+from radix_runtime import messages as m
+from radix_runtime.config import ServerArgs
+from radix_runtime.worker import gpu_ops
+from radix_runtime.worker.cuda_graph import CudaGraphRunner
+from radix_runtime.worker.model_runner import ModelRunner
+
+GREEDY = m.SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
+
+
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median over `iters` of one call timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 2 GiB of bf16 each way: far beyond the 60 MB L2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = cuda_time_ms(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = cuda_time_ms(lambda: a @ b)
+    return {
+        "copy_TBps": 2 * n * 2 / (copy_ms * 1e-3) / 1e12,
+        "matmul_TFLOPs": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12,
+    }
+
+
+class Bench:
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.runner = runner
+        self.next_page = 1
+        self.step_no = 0
+        self.rng = np.random.default_rng(seed)
+        self.vocab = runner.config.vocab_size
+        self.last_decode_pos = 0  # slot 0's position after the last decode() run
+        self.last_hit = None  # the last cached_prefill()'s cached request, as a callable
+
+    def pages(self, n: int) -> list[int]:
+        assert self.next_page + n <= self.runner.kv_pool.num_pages, "pool too small"
+        out = list(range(self.next_page, self.next_page + n))
+        self.next_page += n
+        return out
+
+    def ids(self, n: int) -> list[int]:
+        lo, hi = safe_token_range(self.vocab)
+        return [int(x) for x in self.rng.integers(lo, hi, size=n)]
+
+    def forward(self, reqs: list[m.ForwardReq]) -> m.ForwardResult:
+        self.step_no += 1
+        return self.runner.forward(m.ForwardBatch(step=self.step_no, reqs=reqs))
+
+    def fill_random_kv(self, first_page: int, end_page: int) -> None:
+        """Random K/V in pages [first_page, end_page) of every layer (never time on zeros)."""
+        for buf in self.runner.kv_pool.k_buffers + self.runner.kv_pool.v_buffers:
+            buf[first_page:end_page].normal_()
+
+    # -----------------------------------------------------------------------------------------
+
+    def decode(self, bs: int, ctx: int, warmup: int = 5, iters: int = 30) -> float:
+        """Median ms of a decode step of `bs` requests whose contexts start at `ctx` tokens."""
+        ps = self.runner.page_size
+        steps = warmup + iters
+        per_req = -(-(ctx + steps + 1) // ps)
+        self.next_page = 1
+        rows = [self.pages(per_req) for _ in range(bs)]
+        self.fill_random_kv(1, self.next_page)
+        tokens = self.ids(bs)
+        reqs = [
+            m.ForwardReq(
+                slot=i,
+                input_ids=m.pack_ids([tokens[i]]),
+                start_pos=ctx,
+                new_pages=m.pack_ids(rows[i]),
+                new_slot=True,
+                sampling=GREEDY,
+            )
+            for i in range(bs)
+        ]
+        times = []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            result = self.forward(reqs)
+            times.append((time.perf_counter() - t0) * 1e3)
+            reqs = [
+                m.ForwardReq(slot=i, input_ids=m.pack_ids([r.next_id]), start_pos=ctx + step + 1)
+                for i, r in enumerate(result.results)
+            ]
+            self.last_decode_pos = ctx + step + 1
+        return statistics.median(times[warmup:])
+
+    def prefill(self, n: int, warmup: int = 1, iters: int = 5) -> float:
+        prompt = m.pack_ids(self.ids(n))
+        self.next_page = 1
+        pages = m.pack_ids(self.pages(-(-n // self.runner.page_size)))
+        req = m.ForwardReq(
+            slot=0, input_ids=prompt, start_pos=0, new_pages=pages, new_slot=True, sampling=GREEDY
+        )
+        return wall_ms(lambda: self.forward([req]), warmup, iters)
+
+    def cached_prefill(
+        self, n: int, cached: int, warmup: int = 2, iters: int = 10
+    ) -> tuple[float, float]:
+        """(cold ms, cached ms) of the same n-token prompt, the second with `cached` tokens of it
+        in the pool from an earlier request (page-aligned)."""
+        ps = self.runner.page_size
+        assert cached % ps == 0
+        prompt = self.ids(n)
+        self.next_page = 1
+        shared = self.pages(cached // ps)
+        own = self.pages(-(-(n - cached) // ps))
+        first = m.ForwardReq(
+            slot=1,
+            input_ids=m.pack_ids(prompt[:cached]),
+            start_pos=0,
+            new_pages=m.pack_ids(shared),
+            new_slot=True,
+            sample=False,
+            sampling=GREEDY,
+        )
+        self.forward([first])  # the prefix's KV now sits in `shared`
+        hit = m.ForwardReq(
+            slot=2,
+            input_ids=m.pack_ids(prompt[cached:]),
+            start_pos=cached,
+            new_pages=m.pack_ids(shared + own),
+            new_slot=True,
+            sampling=GREEDY,
+        )
+        cold_pages = self.pages(-(-n // ps))
+        cold = m.ForwardReq(
+            slot=3,
+            input_ids=m.pack_ids(prompt),
+            start_pos=0,
+            new_pages=m.pack_ids(cold_pages),
+            new_slot=True,
+            sampling=GREEDY,
+        )
+        self.last_hit = lambda: self.forward([hit])
+        return (
+            wall_ms(lambda: self.forward([cold]), 1, 5),
+            wall_ms(lambda: self.forward([hit]), warmup, iters),
+        )
+
+    def prepare_ms(self, iters: int = 50) -> float:
+        """Host time of the runner's batch preparation for the last decode batch (slot 0)."""
+        req = m.ForwardReq(slot=0, input_ids=m.pack_ids([5]), start_pos=self.last_decode_pos)
+        return wall_ms(lambda: self.runner._prepare([req]), 5, iters)
+
+
+def kernel_profile(fn, steps: int, top: int = 14) -> dict:
+    """GPU kernels of `steps` calls of fn (torch.profiler, CUDA activity only): the time per
+    call by kernel name, largest first, plus totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            kernels.append((t / steps, e.count / steps, e.key[:100]))
+    kernels.sort(reverse=True)
+    return {
+        "gpu_us_per_call": sum(k[0] for k in kernels),
+        "kernels_per_call": sum(k[1] for k in kernels),
+        "top": [{"us": t, "calls": c, "name": n} for t, c, n in kernels[:top]],
+    }
+
+
+def weight_bytes_per_decode_step(runner: ModelRunner) -> int:
+    """Every parameter is read once per step, except the embedding table (one row per token)
+    unless it doubles as the LM head."""
+    total = 0
+    for name, p in runner.model.named_parameters():
+        if name == "model.embed_tokens.weight" and runner.model.lm_head is not None:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def prefill_flops(runner: ModelRunner, n: int, prefix: int = 0) -> float:
+    """Matmul FLOPs of n new tokens after `prefix` cached ones: 2 per weight per token for the
+    layers, the LM head on the last row only, and causal attention (QK^T and PV over the keys
+    each query sees)."""
+    c = runner.config
+    layer_weights = sum(
+        p.numel() for name, p in runner.model.named_parameters() if ".layers." in name
+    )
+    keys_seen = n * prefix + n * (n + 1) / 2
+    attention = 4 * c.num_layers * c.num_heads * c.head_dim * keys_seen
+    return 2 * n * layer_weights + 2 * c.hidden_size * c.vocab_size + attention
+
+
+def host_profile(fn, calls: int, top: int = 25) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def experiments(
+    runner: ModelRunner, bench: Bench, results: dict, ctx: int, w_bytes: int, copy_bps: float
+) -> None:
+    """Diagnostics and variants, printed and stored under `experiments`."""
+    exp: dict = {}
+    bench.decode(1, ctx, 2, 3)
+    pos = bench.last_decode_pos
+    one = m.ForwardReq(slot=0, input_ids=m.pack_ids([5]), start_pos=pos)
+    print("--- Python profile, 50 batch-1 decode steps (graph path)")
+    print(host_profile(lambda: bench.forward([one]), 50))
+    print("--- Python profile, 5 cached-prefix prefills (eager path)")
+    print(host_profile(bench.last_hit, 5))
+    graphs, wrapper = runner.cuda_graphs, runner.attn._graph_wrappers.get(1)
+    variants = {
+        "triton_gemv_all": dict(max_rows=1 << 30, tensor_cores=True),
+        "cublas_all": dict(max_rows=0, tensor_cores=True),
+        "cuda_core_attention": dict(max_rows=gpu_ops.GEMV_MAX_ROWS, tensor_cores=False),
+    }
+    for name, v in variants.items():
+        saved = gpu_ops.GEMV_MAX_ROWS, runner.attn.tensor_cores
+        gpu_ops.GEMV_MAX_ROWS, runner.attn.tensor_cores = v["max_rows"], v["tensor_cores"]
+        runner.attn._graph_wrappers.pop(1, None)
+        runner.cuda_graphs = CudaGraphRunner(
+            runner.model, runner.attn, runner.kv_pool, 1, runner.max_pages_per_slot, runner.device
+        )
+        step_ms = bench.decode(1, ctx, 3, 20)
+        replay_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
+        exp[name] = {"step_ms": step_ms, "graph_replay_ms": replay_ms}
+        print(f"variant {name}: step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms")
+        gpu_ops.GEMV_MAX_ROWS, runner.attn.tensor_cores = saved
+        runner.attn._graph_wrappers.pop(1, None)
+    runner.cuda_graphs = graphs  # the original graph with the wrapper it was captured with
+    runner.attn._graph_wrappers[1] = wrapper
+    results["experiments"] = exp
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", help="a dummy config name or path")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--prefill-tokens", type=int, default=8192)
+    p.add_argument("--cached-tokens", type=int, default=7936)
+    p.add_argument("--decode-batches", default="1,64,256")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument(
+        "--experiments",
+        action="store_true",
+        help="also: Python profiles of a batch-1 step and a cached prefill, and batch-1 decode "
+        "graphs with CUDA-core attention and with all-Triton / all-cuBLAS GEMVs",
+    )
+    args = p.parse_args()
+
+    results: dict = {"device": torch.cuda.get_device_name(), "model": args.model}
+    results.update(ceilings())
+    torch.cuda.empty_cache()
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    pool_tokens = max(max(batches) * (args.context + 64), 3 * args.prefill_tokens) + 4096
+    t0 = time.perf_counter()
+    runner = ModelRunner(
+        ServerArgs(
+            model=args.model,
+            load_format="dummy",
+            page_size=args.page_size,
+            context_length=max(16384, args.prefill_tokens + 1024),
+            max_total_tokens=pool_tokens,
+            max_running_requests=max(256, max(batches)),
+            cuda_graph_max_bs=max(batches),
+        )
+    )
+    results.update(
+        runner_init_s=time.perf_counter() - t0,
+        dummy_weights_s=runner.load_s,
+        cuda_graph_capture_s=runner.cuda_graphs.capture_s if runner.cuda_graphs else None,
+        attention_backend=runner.attn.name,
+        page_size=args.page_size,
+        dtype=str(runner.dtype),
+    )
+    bench = Bench(runner)
+    copy_bps = results["copy_TBps"] * 1e12
+    w_bytes = weight_bytes_per_decode_step(runner)
+    kv_per_token = runner.kv_pool.bytes_per_token(
+        runner.config.num_layers, runner.config.num_kv_heads, runner.config.head_dim, runner.dtype
+    )
+    results["weight_GB_per_decode_step"] = w_bytes / 1e9
+
+    for bs in batches:
+        ms = bench.decode(bs, args.context)
+        kv_bytes = bs * (args.context + 18) * kv_per_token  # mid-run context
+        results[f"decode_bs{bs}_ms"] = ms
+        results[f"decode_bs{bs}_tok_s"] = bs / (ms * 1e-3)
+        results[f"decode_bs{bs}_bandwidth_fraction"] = (w_bytes + kv_bytes) / (ms * 1e-3) / copy_bps
+        if bs == 1:
+            results["decode_bs1_roofline_fraction"] = w_bytes / (ms * 1e-3) / copy_bps
+            if runner.cuda_graphs is not None:  # the GPU's share of the step, and graphs off
+                graph_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
+                results["decode_bs1_graph_replay_ms"] = graph_ms
+                results["decode_bs1_graph_roofline_fraction"] = (
+                    w_bytes / (graph_ms * 1e-3) / copy_bps
+                )
+                results["decode_bs1_graph_profile"] = kernel_profile(
+                    runner.cuda_graphs.graphs[1].replay, 5
+                )
+                results["decode_bs1_host_prepare_ms"] = bench.prepare_ms()
+                graphs, runner.cuda_graphs = runner.cuda_graphs, None
+                results["decode_bs1_eager_ms"] = bench.decode(1, args.context, 3, 10)
+                runner.cuda_graphs = graphs
+
+    n, cached = args.prefill_tokens, args.cached_tokens
+    cold_ms, hit_ms = bench.cached_prefill(n, cached)
+    results["prefill_8192_ms" if n == 8192 else f"prefill_{n}_ms"] = cold_ms
+    flops = prefill_flops(runner, n)
+    results["prefill_tflops"] = flops / (cold_ms * 1e-3) / 1e12
+    results["prefill_8192_mfu" if n == 8192 else f"prefill_{n}_mfu"] = (
+        results["prefill_tflops"] / results["matmul_TFLOPs"]
+    )
+    results["prefill_kernel"] = getattr(getattr(runner.attn, "_prefill", None), "_backend", None)
+    results["cached_ttft_ms"] = hit_ms
+    results["cached_ttft_profile"] = kernel_profile(bench.last_hit, 2)
+    results["cached_ttft_speedup"] = cold_ms / hit_ms
+    results["cached_prefill_mfu"] = (
+        prefill_flops(runner, n - cached, cached)
+        / (hit_ms * 1e-3)
+        / 1e12
+        / results["matmul_TFLOPs"]
+    )
+    results["prefill_2048_ms"] = bench.prefill(2048, 1, 5)
+    results["prefill_2048_mfu"] = (
+        prefill_flops(runner, 2048) / (results["prefill_2048_ms"] * 1e-3) / 1e12
+    ) / results["matmul_TFLOPs"]
+
+    if args.experiments:
+        experiments(runner, bench, results, args.context, w_bytes, copy_bps)
+    if runner.cuda_graphs is not None and gpu_ops.USE_TRITON_GEMV:
+        # A/B: batch-1 decode with cuBLAS for the projections (a batch-1 graph captured again)
+        gpu_ops.USE_TRITON_GEMV = False
+        runner.cuda_graphs = CudaGraphRunner(
+            runner.model, runner.attn, runner.kv_pool, 1, runner.max_pages_per_slot, runner.device
+        )
+        ms = bench.decode(1, args.context)
+        results["decode_bs1_cublas_ms"] = ms
+        results["decode_bs1_cublas_roofline_fraction"] = w_bytes / (ms * 1e-3) / copy_bps
+        graph_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
+        results["decode_bs1_cublas_graph_replay_ms"] = graph_ms
+        results["decode_bs1_cublas_graph_profile"] = kernel_profile(
+            runner.cuda_graphs.graphs[1].replay, 5
+        )
+        gpu_ops.USE_TRITON_GEMV = True
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    width = max(len(k) for k in results)
+    for k, v in results.items():
+        if isinstance(v, dict) and "top" in v:  # kernel profiles
+            print(f"{k}: {v['gpu_us_per_call']:.1f} us GPU, {v['kernels_per_call']:.0f} kernels")
+            for row in v["top"]:
+                print(f"    {row['us']:9.1f} us  x{row['calls']:<5.0f} {row['name']}")
+        else:
+            print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    main()

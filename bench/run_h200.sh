@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on the H200 (the workplace's `run` tool) from the repo root, the device kit copied to
+# .devicekit/ (../shared/device-kit). Stages, in the order given:
+#   tests      pytest tests/gpu
+#   kernels    bench/gpu_kernels.py           -> $OUT/gpu_kernels.json
+#   worker     bench/gpu_worker.py            -> $OUT/h200_gpu_worker.json
+#   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
+#   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
+# e.g.  bash bench/run_h200.sh tests kernels worker
+set -uo pipefail
+OUT=${OUT:-/tmp/h200_out}
+mkdir -p "$OUT"
+source .devicekit/setup.sh || exit 1
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
+status=0
+for stage in "$@"; do
+    t0=$(date +%s)
+    echo "=== $stage"
+    case $stage in
+        tests)
+            python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 150 \
+                --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt" || status=1 ;;
+        kernels)
+            timeout 240 python3 bench/gpu_kernels.py --out "$OUT/gpu_kernels.json" || status=1 ;;
+        worker)
+            timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        experiments)
+            timeout 300 python3 bench/gpu_worker.py --experiments \
+                --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
+        multiturn)
+            timeout 420 python3 bench/multi_turn_chat.py --model llama-3.1-8b --server-args "--load-format dummy" \
+                --clients 64 --rounds 6 --system-tokens 1024 --context-tokens 512 \
+                --user-tokens 128 --answer-tokens 128 --max-inflight 32 --compare-no-cache \
+                --out "$OUT/h200_multi_turn.json" --plot "$OUT/h200_multi_turn.png" || status=1 ;;
+        *)
+            echo "unknown stage $stage"; status=1 ;;
+    esac
+    echo "=== $stage took $(( $(date +%s) - t0 ))s"
+done
+exit $status

@@ -1,0 +1,165 @@
+"""The FlashInfer attention backend: the CUDA path (bf16/fp16).
+
+Plan once per batch, run per layer, straight over the paged pool (FlashInfer's NHD layout is the
+pool's: per layer K and V of [num_pages, page_size, kv_heads, head_dim]):
+
+- a batch holding any prefill chunk goes through one `BatchPrefillWithPagedKVCacheWrapper`
+  (causal, bottom-right aligned: each new token sees the cached prefix pages plus the tokens
+  of its own chunk up to itself; decode rows of a mixed batch are just chunks of length 1).
+  The new K/V are written into their pages first, so prefix and chunk are one paged read;
+  a ragged pass over the chunk plus a merge with the prefix would save that write-then-read,
+  but bench/gpu_kernels.py measures the difference and it is small next to the matmuls;
+- a decode-only batch goes through `BatchDecodeWithPagedKVCacheWrapper` (tensor cores when a
+  KV head serves >= 4 query heads, as for Llama-3-8B, where they are faster);
+- CUDA graphs (cuda_graph.py) get one decode wrapper per captured batch size, built with
+  `use_cuda_graph=True` over fixed index buffers shared by all sizes; `plan_cuda_graph` refills
+  those buffers before each replay.
+
+New K/V are written with the Triton kernel `gpu_ops.store_kv` (one launch for K and V).
+"""
+
+from __future__ import annotations
+
+import flashinfer
+import numpy as np
+import torch
+
+from radix_runtime.worker import gpu_ops
+from radix_runtime.worker.attention.base import AttentionBackend, AttentionMetadata
+from radix_runtime.worker.kv_pool import KVPool
+
+# FlashInfer's scratch space for split-KV partial results, shared by every wrapper (one runs at
+# a time); SGLang uses the same order of size
+WORKSPACE_BYTES = 256 << 20
+
+
+def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """Decode on tensor cores when each KV head serves >= 4 query heads (SGLang's rule)."""
+    return num_heads // num_kv_heads >= 4
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graph = True
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.tensor_cores = use_tensor_cores(num_heads, num_kv_heads)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+        )
+        self.kv_dtype: torch.dtype | None = None  # the pool's, known once bound
+        self.page_size = 1
+        self._active = None  # the wrapper planned for the current batch
+        self._out_cache_loc: torch.Tensor | None = None
+        # CUDA graphs: fixed index buffers and one decode wrapper per captured batch size
+        self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+        self._graph_kv_indptr: torch.Tensor | None = None
+        self._graph_kv_indices: torch.Tensor | None = None
+        self._graph_kv_last_page_len: torch.Tensor | None = None
+
+    def bind_pool(self, kv_pool: KVPool) -> None:
+        if kv_pool.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer backend needs fp16 or bf16, not {kv_pool.dtype}")
+        super().bind_pool(kv_pool)
+        self.page_size = kv_pool.page_size
+
+    # ------------------------------------------------------------------------------------------
+    # eager batches
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._out_cache_loc = meta.out_cache_loc
+        kv_indptr = torch.from_numpy(meta.kv_indptr_cpu)
+        last_page_len = torch.from_numpy(meta.kv_last_page_len_cpu)
+        if meta.is_decode_only:
+            self._plan_decode(self._decode, kv_indptr, meta.kv_page_indices, last_page_len)
+        else:
+            self._prefill.plan(
+                torch.from_numpy(meta.qo_indptr_cpu),
+                kv_indptr,
+                meta.kv_page_indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                meta.page_size,
+                causal=True,
+                sm_scale=self.scale,
+                q_data_type=self.kv_dtype,
+                kv_data_type=self.kv_dtype,
+            )
+            self._active = self._prefill
+
+    def _plan_decode(
+        self,
+        wrapper: flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+    ) -> None:
+        wrapper.plan(
+            kv_indptr,
+            kv_indices,
+            last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            sm_scale=self.scale,
+            q_data_type=self.kv_dtype,
+            kv_data_type=self.kv_dtype,
+        )
+        self._active = wrapper
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+        gpu_ops.store_kv(k_cache, v_cache, self._out_cache_loc, k, v)
+        return self._active.run(q.contiguous(), (k_cache, v_cache))
+
+    # ------------------------------------------------------------------------------------------
+    # CUDA graphs (decode only)
+
+    def init_cuda_graph_state(self, max_bs: int, max_pages: int) -> None:
+        """Index buffers that every captured size reads: kv_indices holds up to `max_pages`."""
+        self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
+        self._graph_kv_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def plan_cuda_graph(
+        self,
+        bs: int,
+        kv_indptr: np.ndarray,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: np.ndarray,
+        out_cache_loc: torch.Tensor,
+    ) -> None:
+        """Plan the size-`bs` graph wrapper (indptr / last page lengths padded to `bs` rows,
+        page ids on the device); the layers then write K/V at `out_cache_loc`, a fixed buffer
+        the graph reads."""
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.tensor_cores,
+                paged_kv_indptr_buffer=self._graph_kv_indptr[: bs + 1],
+                paged_kv_indices_buffer=self._graph_kv_indices,
+                paged_kv_last_page_len_buffer=self._graph_kv_last_page_len[:bs],
+            )
+            self._graph_wrappers[bs] = wrapper
+        self._plan_decode(
+            wrapper, torch.from_numpy(kv_indptr), kv_indices, torch.from_numpy(kv_last_page_len)
+        )
+        self._out_cache_loc = out_cache_loc

@@ -1,0 +1,96 @@
+"""The fused CUDA kernels (gpu_ops) against their torch references, on fresh random data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytest.importorskip("triton")
+pytest.importorskip("flashinfer")
+
+from gpu_support import rel_err  # noqa: E402
+
+from radix_runtime.worker import gpu_ops  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def _cos_sin(n: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.randint(0, 100_000, (n,), device=DEV)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    freqs = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 2, 64), (4, 4, 64)])
+def test_rotary_qk(n, shape):
+    h, hkv, d = shape
+    qkv = torch.randn(n, (h + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16)
+    cos, sin = _cos_sin(n, d, torch.bfloat16)
+    q, k = gpu_ops.rotary_qk(qkv, cos, sin, h, hkv, d)
+    # reference in float64 from the same bf16 inputs
+    q_ref, k_ref = gpu_ops.rotary_qk_torch(qkv.double(), cos.double(), sin.double(), h, hkv, d)
+    assert q.shape == (n, h, d) and k.shape == (n, hkv, d) and q.is_contiguous()
+    assert rel_err(q, q_ref) < 5e-3 and rel_err(k, k_ref) < 5e-3
+
+
+@pytest.mark.parametrize("n", [1, 64, 1000])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_store_kv_matches_torch(n, page_size):
+    hkv, d, pages = 8, 128, 4096 // page_size
+    qkv = torch.randn(n, (32 + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(n, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v = qkv[:, (32 + hkv) * d :].view(-1, hkv, d)  # strided, as the model passes it
+    loc = torch.randperm(pages * page_size, device=DEV)[:n]
+    shape = (pages, page_size, hkv, d)
+    k_cache = torch.full(shape, float("nan"), device=DEV, dtype=torch.bfloat16)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    gpu_ops.store_kv(k_cache, v_cache, loc, k, v)
+    gpu_ops.store_kv_torch(k_ref, v_ref, loc, k, v)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert k_cache.isnan().sum() == (pages * page_size - n) * hkv * d  # nothing else touched
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (100, 64), (37, 1000)])
+def test_gemv_and_linear_dispatch(n, k):
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    ref = x.double() @ w.double().T
+    y = gpu_ops.linear(x, w, None)  # the Triton GEMV (<= GEMV_MAX_ROWS rows, one input row)
+    assert y.shape == (1, n) and y.dtype == torch.bfloat16
+    assert rel_err(y, ref) < 5e-3
+    xs = torch.randn(3, k, device=DEV, dtype=torch.bfloat16)  # more rows: cuBLAS
+    assert rel_err(gpu_ops.linear(xs, w, None), xs.double() @ w.double().T) < 5e-3
+
+
+def test_silu_and_mul_triton():
+    for rows in (1, 64, 65):
+        gu = torch.randn(rows, 2 * 14336, device=DEV, dtype=torch.bfloat16)
+        g, u = gu.double().chunk(2, -1)
+        want = torch.nn.functional.silu(g) * u
+        assert rel_err(gpu_ops.silu_and_mul_triton(gu), want) < 5e-3
+        assert rel_err(gpu_ops.silu_and_mul(gu), want) < 5e-3
+
+
+def test_flashinfer_norm_and_activation():
+    x = torch.randn(37, 4096, device=DEV, dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.randn(4096, device=DEV, dtype=torch.bfloat16)
+
+    def ref_norm(t: torch.Tensor) -> torch.Tensor:
+        t = t.double()
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+
+    assert rel_err(gpu_ops.rmsnorm(x, w, 1e-5), ref_norm(x)) < 5e-3
+    want_res = res.double() + x.double()
+    out = gpu_ops.fused_add_rmsnorm(x.clone(), res, w, 1e-5)
+    assert rel_err(res, want_res) < 5e-3
+    assert rel_err(out, ref_norm(res)) < 5e-3
+    gu = torch.randn(37, 2 * 1000, device=DEV, dtype=torch.bfloat16)
+    g, u = gu.double().chunk(2, -1)
+    assert rel_err(gpu_ops.silu_and_mul(gu), torch.nn.functional.silu(g) * u) < 5e-3
