@@ -37,7 +37,9 @@ class ServerHandle:
 
     def client(self, **kw) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120), headers=headers, **kw)
+        return httpx.Client(
+            base_url=self.url, timeout=kw.pop("timeout", 120), headers=headers, **kw
+        )
 
     def log(self) -> str:
         if self.log_path and os.path.exists(self.log_path):
@@ -56,7 +58,9 @@ class ServerHandle:
         return self.proc.returncode
 
 
-def start_server(tmp_dir: str, *flags: str, env: dict | None = None, timeout: float = 240) -> ServerHandle:
+def start_server(
+    tmp_dir: str, *flags: str, env: dict | None = None, timeout: float = 240
+) -> ServerHandle:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     cmd = [sys.executable, "-m", "radix_runtime", "serve", "--port", str(port), *flags]
