@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+# the tests share 2 cores with the servers they start: no spinning OpenMP threads (see procs.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -1,0 +1,498 @@
+"""Multi-turn chat: the benchmark a radix cache is for.
+
+N clients hold R-round conversations that all start with the same system prompt. A client's
+prompt in round r is its prompt of round r-1, the answer it got (the server's actual output
+ids), and a new user turn; so with a prefix cache almost every prompt token was computed
+before. Rounds of different clients interleave: a client sends round r+1 only after round r
+finished, and the clients run concurrently, at most ``--max-inflight`` requests at a time, in a
+closed loop or paced by a Poisson ``--request-rate``.
+
+The same trace runs against the server with the cache on, and with ``--compare-no-cache`` against
+one started with ``--disable-radix-cache`` (that run replays the first run's answers, so both send
+the very same prompts). Next to the measured hit rate stands the optimal one: the hit rate of
+the same trace against an infinite cache.
+
+    python bench/multi_turn_chat.py --clients 8 --rounds 4 --compare-no-cache \
+        --server-args "--max-total-tokens 65536" --out result.json --plot result.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common
+
+# ---------------------------------------------------------------------------------------------
+# the trace (pure)
+
+
+@dataclass(frozen=True)
+class ChatTrace:
+    """The random parts of a workload; the answers come from the server while it runs."""
+
+    system: tuple[int, ...]  # shared by every client
+    contexts: tuple[tuple[int, ...], ...]  # [client]: the client's own first-turn material
+    user_turns: tuple[tuple[tuple[int, ...], ...], ...]  # [client][round]
+
+    @property
+    def clients(self) -> int:
+        return len(self.contexts)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.user_turns[0]) if self.user_turns else 0
+
+
+def make_trace(
+    clients: int,
+    rounds: int,
+    system_tokens: int,
+    context_tokens: int,
+    user_tokens: int,
+    seed: int,
+    token_range: tuple[int, int],
+) -> ChatTrace:
+    """Random token ids in ``token_range`` ([lo, hi)), the same for the same arguments."""
+    rng = np.random.default_rng(seed)
+    lo, hi = token_range
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(lo, hi, size=n))
+
+    system = ids(system_tokens)
+    contexts = tuple(ids(context_tokens) for _ in range(clients))
+    user_turns = tuple(tuple(ids(user_tokens) for _ in range(rounds)) for _ in range(clients))
+    return ChatTrace(system, contexts, user_turns)
+
+
+def build_prompt(trace: ChatTrace, client: int, answers: Sequence[Sequence[int]]) -> list[int]:
+    """The prompt of ``client``'s round ``len(answers)``: system + context + user turn 0, then
+    for each earlier round its answer and the next user turn."""
+    turns = trace.user_turns[client]
+    ids = [*trace.system, *trace.contexts[client], *turns[0]]
+    for r, answer in enumerate(answers):
+        ids += answer
+        ids += turns[r + 1]
+    return ids
+
+
+# Text mode renders every token id as one of these words (most are one token in any vocabulary).
+_WORD_LIST = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or "
+    "one had by word but not what all were we when your can said there use an each which she do "
+    "how their if will up other about out many then them these so some her would make like him "
+    "into time has look two more write go see number no way could people my than first water been "
+    "call who oil its now find long down day did get come made may part"
+)
+WORDS = tuple(_WORD_LIST.split())
+
+
+def to_text(ids: Sequence[int]) -> str:
+    return " ".join(WORDS[t % len(WORDS)] for t in ids)
+
+
+def build_messages(trace: ChatTrace, client: int, answers: Sequence[str]) -> list[dict]:
+    """Text mode: the same conversation as chat messages (``answers`` are the reply texts)."""
+    turns = trace.user_turns[client]
+    first = to_text(trace.contexts[client]) + "\n\n" + to_text(turns[0])
+    messages = [
+        {"role": "system", "content": to_text(trace.system)},
+        {"role": "user", "content": first},
+    ]
+    for r, answer in enumerate(answers):
+        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "user", "content": to_text(turns[r + 1])})
+    return messages
+
+
+def max_prompt_tokens(
+    rounds: int, system_tokens: int, context_tokens: int, user_tokens: int, answer_tokens: int
+) -> int:
+    return system_tokens + context_tokens + rounds * user_tokens + (rounds - 1) * answer_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# running it
+
+
+@dataclass
+class Turn:
+    """One request as issued."""
+
+    client: int
+    round: int
+    issue_index: int
+    prompt: list[int] | list[dict]  # token ids, or chat messages in text mode
+    answer: list[int] | str  # what the next round appends: output ids, or text
+    result: common.RequestResult
+
+
+async def run_trace(
+    url: str,
+    trace: ChatTrace,
+    opts: argparse.Namespace,
+    label: str,
+    replay: dict[tuple[int, int], list[int] | str] | None = None,
+) -> tuple[list[Turn], float]:
+    """All clients' conversations against ``url``; the turns in issue order and the wall time.
+    ``replay`` ((client, round) -> answer) makes the conversations use those answers instead of
+    the ones the server gives, so a second run sends the very same prompts."""
+    sem = asyncio.Semaphore(opts.max_inflight)
+    pacer = common.PoissonPacer(opts.request_rate, np.random.default_rng(opts.seed + 1))
+    issue = itertools.count()
+    turns: list[Turn] = []
+    bar = common.progress(trace.clients * trace.rounds, label)
+    t0 = time.perf_counter()
+
+    async def client_loop(http, client: int) -> None:
+        answers: list = []
+        for r in range(trace.rounds):
+            if replay is not None and (client, r) not in replay:
+                return  # the replayed run failed here: so does this one
+            if opts.text:
+                prompt = build_messages(trace, client, answers)
+            else:
+                prompt = build_prompt(trace, client, answers)
+            await pacer.wait()
+            async with sem:
+                index = next(issue)
+                if opts.text:
+                    result = await common.stream_chat(http, url, prompt, opts.answer_tokens, t0)
+                else:
+                    result = await common.stream_generate(http, url, prompt, opts.answer_tokens, t0)
+            answer = result.text if opts.text else result.output_ids
+            if replay is not None:
+                answer = replay[(client, r)]
+            turns.append(Turn(client, r, index, prompt, answer, result))
+            bar.update(1)
+            if result.error is not None:
+                bar.write(f"{label}: client {client} round {r} failed: {result.error}")
+                return  # its later prompts would need this answer
+            answers.append(answer)
+
+    async with common.make_client(opts.api_key, opts.max_inflight + 4) as http:
+        await asyncio.gather(*(client_loop(http, c) for c in range(trace.clients)))
+    duration = max((t.result.end_s for t in turns), default=0.0)
+    bar.close()
+    turns.sort(key=lambda t: t.issue_index)
+    return turns, duration
+
+
+def optimal_per_turn(turns: Sequence[Turn], page_size: int, tokenizer=None) -> list[int] | None:
+    """Optimal cached tokens per turn (issue order). Text mode tokenizes the chat prompts with
+    the model's tokenizer (None if there is none) and the answers as plain text."""
+    if tokenizer is None and turns and isinstance(turns[0].answer, str):
+        return None
+    pairs = []
+    for t in turns:
+        if tokenizer is not None:
+            prompt = tokenizer.encode_chat(t.prompt)
+            answer = tokenizer.encode(t.answer, add_special_tokens=False)
+        else:
+            prompt, answer = t.prompt, t.answer
+        pairs.append((prompt, answer))
+    return common.optimal_cached_tokens(pairs, page_size)
+
+
+def section(turns: list[Turn], duration: float, rounds: int, optimal: list[int] | None) -> dict:
+    """The metrics of one run, overall and per round."""
+    results = [t.result for t in turns]
+    out = common.summarize(results, duration)
+    ok = [i for i, t in enumerate(turns) if t.result.error is None]
+    if optimal is not None:
+        out["optimal_cached_tokens"] = sum(optimal[i] for i in ok)
+        out["optimal_hit_rate"] = common.hit_rate(
+            out["optimal_cached_tokens"], out["prompt_tokens"]
+        )
+    else:
+        out["optimal_cached_tokens"] = out["optimal_hit_rate"] = None
+    per_round: dict[str, list] = {
+        k: []
+        for k in (
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "ttft_mean_s",
+            "itl_p50_s",
+            "prompt_tokens_mean",
+            "hit_rate",
+            "optimal_hit_rate",
+        )
+    }
+    for r in range(rounds):
+        idx = [i for i in ok if turns[i].round == r]
+        ttfts = [turns[i].result.ttft_s for i in idx]
+        itls = [x for i in idx for x in turns[i].result.itls_s]
+        prompt = sum(turns[i].result.prompt_tokens for i in idx)
+        cached = sum(turns[i].result.cached_tokens for i in idx)
+        per_round["ttft_p50_s"].append(common.percentile(ttfts, 50))
+        per_round["ttft_p90_s"].append(common.percentile(ttfts, 90))
+        per_round["ttft_mean_s"].append(float(np.mean(ttfts)) if ttfts else None)
+        per_round["itl_p50_s"].append(common.percentile(itls, 50))
+        per_round["prompt_tokens_mean"].append(prompt / len(idx) if idx else None)
+        per_round["hit_rate"].append(common.hit_rate(cached, prompt))
+        per_round["optimal_hit_rate"].append(
+            common.hit_rate(sum(optimal[i] for i in idx), prompt) if optimal is not None else None
+        )
+    out["per_round"] = per_round
+    return out
+
+
+def load_tokenizer(info: dict):
+    try:
+        from radix_runtime.tokenizer import load_tokenizer as load
+
+        return load(info.get("tokenizer") or info["model"])
+    except Exception as exc:  # any failure only costs the optimal hit rate of text mode
+        print(f"warning: no local tokenizer ({exc}); text mode has no optimal hit rate")
+        return None
+
+
+def run(opts: argparse.Namespace) -> dict:
+    sections: dict[str, dict] = {}
+    config: dict = {
+        k: v for k, v in vars(opts).items() if k not in ("api_key", "out", "plot", "func")
+    }
+    config["request_rate"] = "inf" if math.isinf(opts.request_rate) else opts.request_rate
+    config["host"] = common.host_info()
+    config["max_prompt_tokens"] = max_prompt_tokens(
+        opts.rounds, opts.system_tokens, opts.context_tokens, opts.user_tokens, opts.answer_tokens
+    )
+    trace = None
+    replay = None
+    for target in common.targets_from_args(opts):
+        with common.open_target(target, opts) as url:
+            info = common.prepare_server(url, opts.api_key)
+            if trace is None:
+                token_range = common.safe_token_range(info["vocab_size"])
+                trace = make_trace(
+                    opts.clients,
+                    opts.rounds,
+                    opts.system_tokens,
+                    opts.context_tokens,
+                    opts.user_tokens,
+                    opts.seed,
+                    token_range,
+                )
+                check_fits(config["max_prompt_tokens"] + opts.answer_tokens, info)
+                config.update(
+                    token_range=list(token_range),
+                    served_model_name=info.get("served_model_name"),
+                    vocab_size=info["vocab_size"],
+                    context_length=info.get("context_length"),
+                )
+            page_size = (info.get("cache") or {}).get("page_size") or info.get("page_size", 1)
+            config[f"{target.label}_server"] = {
+                "url": target.url or "launched",
+                "flags": list(target.flags) if target.url is None else None,
+                "page_size": page_size,
+                "max_total_tokens": info.get("max_total_tokens"),
+                "disable_radix_cache": info.get("disable_radix_cache"),
+            }
+            turns, duration = asyncio.run(run_trace(url, trace, opts, target.label, replay))
+            tokenizer = load_tokenizer(info) if opts.text else None
+            optimal = optimal_per_turn(turns, page_size, tokenizer)
+            sections[target.label] = section(turns, duration, opts.rounds, optimal)
+            if replay is None:
+                replay = {(t.client, t.round): t.answer for t in turns if t.result.error is None}
+    on, off = sections["cache_on"], sections.get("cache_off")
+    return {
+        "config": config,
+        "cache_on": on,
+        "cache_off": off,
+        "ratios": {
+            "ttft_p50_off_over_on": common.ratio(off and off["ttft_p50_s"], on["ttft_p50_s"]),
+            "output_tok_s_on_over_off": common.ratio(
+                on["output_tok_s"], off and off["output_tok_s"]
+            ),
+            "hit_rate_over_optimal": common.ratio(on["hit_rate"], on["optimal_hit_rate"]),
+        },
+    }
+
+
+def check_fits(longest: int, info: dict) -> None:
+    limit = info.get("context_length")
+    if limit and longest > limit:
+        raise SystemExit(
+            f"the last round needs {longest} tokens (prompt + answer), more than the server's "
+            f"context length {limit}: use fewer rounds or shorter turns"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# reporting
+
+
+def print_table(result: dict) -> None:
+    on, off = result["cache_on"], result["cache_off"]
+    rows = [
+        ("TTFT p50 (s)", "ttft_p50_s", 1, 3),
+        ("TTFT p90 (s)", "ttft_p90_s", 1, 3),
+        ("TTFT p99 (s)", "ttft_p99_s", 1, 3),
+        ("ITL p50 (ms)", "itl_p50_s", 1e3, 1),
+        ("ITL p99 (ms)", "itl_p99_s", 1e3, 1),
+        ("output tok/s", "output_tok_s", 1, 1),
+        ("requests/s", "req_s", 1, 3),
+        ("hit rate", "hit_rate", 1, 3),
+        ("optimal hit rate", "optimal_hit_rate", 1, 3),
+        ("errors", "errors", 1, 0),
+    ]
+    cols = ["cache on"] + (["cache off", "off / on"] if off else [])
+    print()
+    print(f"{'':<18}" + "".join(f"{c:>12}" for c in cols))
+    for name, key, scale, digits in rows:
+        line = f"{name:<18}{common.fmt(on[key], scale, digits):>12}"
+        if off:
+            line += f"{common.fmt(off[key], scale, digits):>12}"
+            line += f"{common.fmt(common.ratio(off[key], on[key]), 1, 2):>12}"
+        print(line)
+    ratios = result["ratios"]
+    print()
+    print(f"TTFT p50 off/on:          {common.fmt(ratios['ttft_p50_off_over_on'], 1, 2)}")
+    print(f"output tok/s on/off:      {common.fmt(ratios['output_tok_s_on_over_off'], 1, 2)}")
+    print(f"hit rate / optimal:       {common.fmt(ratios['hit_rate_over_optimal'], 1, 3)}")
+    print()
+    print("per round (cache on):  round  prompt  TTFT p50  hit rate  optimal")
+    pr = on["per_round"]
+    for r in range(len(pr["hit_rate"])):
+        print(
+            f"{'':<23}{r:>5}  {common.fmt(pr['prompt_tokens_mean'][r], 1, 0):>6}"
+            f"  {common.fmt(pr['ttft_p50_s'][r], 1, 3):>8}  {common.fmt(pr['hit_rate'][r]):>8}"
+            f"  {common.fmt(pr['optimal_hit_rate'][r]):>7}"
+        )
+
+
+def plot(result: dict, path: str) -> None:
+    plt = common.pyplot()
+    on, off = result["cache_on"], result["cache_off"]
+    cfg = result["config"]
+    rounds = list(range(len(on["per_round"]["hit_rate"])))
+    fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(11, 4.2))
+
+    def nan(values: list) -> list:
+        return [math.nan if v is None else v for v in values]
+
+    for label, sec, color in (("cache on", on, "tab:blue"), ("cache off", off, "tab:red")):
+        if sec is None:
+            continue
+        ax_t.plot(
+            rounds, nan(sec["per_round"]["ttft_p50_s"]), "o-", color=color, label=f"{label} p50"
+        )
+        ax_t.plot(
+            rounds,
+            nan(sec["per_round"]["ttft_p90_s"]),
+            "--",
+            color=color,
+            alpha=0.6,
+            label=f"{label} p90",
+        )
+    ax_t.set_xlabel("round")
+    ax_t.set_ylabel("TTFT (s)")
+    ax_t.set_title("time to first token by round")
+    ax_t.set_xticks(rounds)
+    ax_t.set_ylim(bottom=0)
+    ax_t.grid(alpha=0.3)
+    ax_t.legend()
+
+    ax_h.plot(
+        rounds,
+        nan(on["per_round"]["optimal_hit_rate"]),
+        "s--",
+        color="gray",
+        label="optimal (infinite cache)",
+    )
+    ax_h.plot(rounds, nan(on["per_round"]["hit_rate"]), "o-", color="tab:blue", label="cache on")
+    if off is not None:
+        ax_h.plot(
+            rounds, nan(off["per_round"]["hit_rate"]), "o-", color="tab:red", label="cache off"
+        )
+    ax_h.set_xlabel("round")
+    ax_h.set_ylabel("cached prompt tokens / prompt tokens")
+    ax_h.set_title("cache hit rate by round")
+    ax_h.set_xticks(rounds)
+    ax_h.set_ylim(-0.02, 1.02)
+    ax_h.grid(alpha=0.3)
+    ax_h.legend(loc="lower right")
+
+    fig.suptitle(
+        f"{cfg.get('served_model_name')}: {cfg['clients']} clients x {cfg['rounds']} rounds, "
+        f"system {cfg['system_tokens']}, context {cfg['context_tokens']}, "
+        f"user {cfg['user_tokens']}, answer {cfg['answer_tokens']} tokens, "
+        f"{cfg['max_inflight']} in flight",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    common.add_server_options(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--clients", type=int, default=8)
+    w.add_argument("--rounds", type=int, default=4)
+    w.add_argument("--system-tokens", type=int, default=256, help="shared by all clients")
+    w.add_argument("--context-tokens", type=int, default=128, help="per client, first turn")
+    w.add_argument("--user-tokens", type=int, default=32, help="per user turn")
+    w.add_argument("--answer-tokens", type=int, default=32, help="per answer (EOS ignored)")
+    w.add_argument("--max-inflight", type=int, default=None, help="default: --clients")
+    w.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second; inf: closed loop",
+    )
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--text", action="store_true", help="send chat text instead of token ids")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="write the results as JSON here")
+    o.add_argument("--plot", help="write a PNG plot here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    common.exit_on_sigterm()
+    if opts.max_inflight is None:
+        opts.max_inflight = opts.clients
+    if min(opts.clients, opts.rounds, opts.max_inflight, opts.user_tokens, opts.answer_tokens) < 1:
+        raise SystemExit(
+            "--clients, --rounds, --max-inflight, --user-tokens, --answer-tokens must be >= 1"
+        )
+    result = run(opts)
+    print_table(result)
+    if opts.out:
+        common.write_json(opts.out, result)
+    if opts.plot:
+        plot(result, opts.plot)
+    sections = [s for s in (result["cache_on"], result["cache_off"]) if s]
+    failed = sum(s["errors"] for s in sections)
+    if failed:
+        print(f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""Serving: a request-rate sweep with Poisson arrivals.
+
+For each rate the cache is flushed and the whole dataset is sent, request i at the i-th arrival
+of a Poisson process (``inf``: all at once), at most ``--max-concurrency`` in flight. Reported per
+rate: TTFT and ITL percentiles, output tok/s, req/s, and the cache hit rate next to the optimal
+one of the same requests. Datasets (token ids, EOS ignored):
+
+- ``random``: random prompts, input and output lengths uniform in
+  [``--random-range-ratio`` x length, length];
+- ``generated-shared-prefix``: ``--num-groups`` groups of ``--prompts-per-group`` prompts; the
+  prompts of a group share a ``--system-prompt-len`` system prompt, then each has its own
+  ``--question-len`` question; the order is shuffled across groups.
+
+    python bench/serving.py --dataset generated-shared-prefix --rates 1,2,4,inf \
+        --compare-no-cache --out serving.json --plot serving.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common
+
+# ---------------------------------------------------------------------------------------------
+# datasets (pure)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: tuple[int, ...]
+    output_len: int
+
+
+def random_requests(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    token_range: tuple[int, int],
+) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    lo, hi = token_range
+
+    def length(n: int) -> int:
+        return int(rng.integers(max(1, int(n * range_ratio)), n + 1))
+
+    out = []
+    for _ in range(num_prompts):
+        n_in, n_out = length(input_len), length(output_len)
+        out.append(BenchRequest(tuple(int(t) for t in rng.integers(lo, hi, n_in)), n_out))
+    return out
+
+
+def shared_prefix_requests(
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+    token_range: tuple[int, int],
+) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    lo, hi = token_range
+    out = []
+    for _ in range(num_groups):
+        system = [int(t) for t in rng.integers(lo, hi, system_prompt_len)]
+        for _ in range(prompts_per_group):
+            question = [int(t) for t in rng.integers(lo, hi, question_len)]
+            out.append(BenchRequest(tuple(system + question), output_len))
+    order = rng.permutation(len(out))
+    return [out[i] for i in order]
+
+
+def make_dataset(opts: argparse.Namespace, token_range: tuple[int, int]) -> list[BenchRequest]:
+    if opts.dataset == "random":
+        return random_requests(
+            opts.num_prompts,
+            opts.random_input_len,
+            opts.random_output_len,
+            opts.random_range_ratio,
+            opts.seed,
+            token_range,
+        )
+    return shared_prefix_requests(
+        opts.num_groups,
+        opts.prompts_per_group,
+        opts.system_prompt_len,
+        opts.question_len,
+        opts.output_len,
+        opts.seed,
+        token_range,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# running it
+
+
+async def run_rate(
+    url: str, requests: list[BenchRequest], rate: float, opts: argparse.Namespace, label: str
+) -> tuple[list[tuple[BenchRequest, common.RequestResult]], float]:
+    """Every request once, paced at ``rate``; (request, result) pairs in issue order and the
+    wall time."""
+    sem = asyncio.Semaphore(opts.max_concurrency or len(requests))
+    pacer = common.PoissonPacer(rate, np.random.default_rng(opts.seed + 1))
+    issue = itertools.count()
+    done: list[tuple[int, BenchRequest, common.RequestResult]] = []
+    bar = common.progress(len(requests), label)
+    t0 = time.perf_counter()
+
+    async def one(http, req: BenchRequest) -> None:
+        await pacer.wait()
+        async with sem:
+            index = next(issue)
+            result = await common.stream_generate(http, url, list(req.prompt), req.output_len, t0)
+        done.append((index, req, result))
+        bar.update(1)
+        if result.error is not None:
+            bar.write(f"{label}: request failed: {result.error}")
+
+    async with common.make_client(opts.api_key, min(len(requests), 1024) + 4) as http:
+        await asyncio.gather(*(one(http, r) for r in requests))
+    bar.close()
+    done.sort(key=lambda d: d[0])
+    duration = max((r.end_s for _, _, r in done), default=0.0)
+    return [(req, res) for _, req, res in done], duration
+
+
+def rate_summary(
+    pairs: list[tuple[BenchRequest, common.RequestResult]], duration: float, page_size: int
+) -> dict:
+    results = [res for _, res in pairs]
+    out = common.summarize(results, duration)
+    optimal = common.optimal_cached_tokens(
+        [(req.prompt, res.output_ids) for req, res in pairs], page_size
+    )
+    ok = [i for i, res in enumerate(results) if res.error is None]
+    out["optimal_cached_tokens"] = sum(optimal[i] for i in ok)
+    out["optimal_hit_rate"] = common.hit_rate(out["optimal_cached_tokens"], out["prompt_tokens"])
+    return out
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [math.inf if r.strip() == "inf" else float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError("--rates: positive numbers or inf, comma separated")
+    return rates
+
+
+def run(opts: argparse.Namespace) -> dict:
+    config: dict = {
+        k: v for k, v in vars(opts).items() if k not in ("api_key", "out", "plot", "rates")
+    }
+    config["rates"] = ["inf" if math.isinf(r) else r for r in opts.rates]
+    config["host"] = common.host_info()
+    requests = None
+    sweeps: dict[str, list[dict]] = {}
+    for target in common.targets_from_args(opts):
+        with common.open_target(target, opts) as url:
+            info = common.prepare_server(url, opts.api_key)
+            if requests is None:
+                token_range = common.safe_token_range(info["vocab_size"])
+                requests = make_dataset(opts, token_range)
+                config.update(
+                    token_range=list(token_range),
+                    served_model_name=info.get("served_model_name"),
+                    num_requests=len(requests),
+                    input_tokens=sum(len(r.prompt) for r in requests),
+                )
+            page_size = (info.get("cache") or {}).get("page_size") or info.get("page_size", 1)
+            config[f"{target.label}_server"] = {
+                "url": target.url or "launched",
+                "flags": list(target.flags) if target.url is None else None,
+                "page_size": page_size,
+                "max_total_tokens": info.get("max_total_tokens"),
+            }
+            sweep = []
+            for rate in opts.rates:
+                if not common.flush_cache(url, opts.api_key):
+                    print(f"warning: {url} refused /flush_cache", file=sys.stderr)
+                label = f"{target.label} rate={rate:g}"
+                pairs, duration = asyncio.run(run_rate(url, requests, rate, opts, label))
+                row = {"request_rate": "inf" if math.isinf(rate) else rate}
+                sweep.append({**row, **rate_summary(pairs, duration, page_size)})
+            sweeps[target.label] = sweep
+    return {"config": config, "cache_on": sweeps["cache_on"], "cache_off": sweeps.get("cache_off")}
+
+
+# ---------------------------------------------------------------------------------------------
+# reporting
+
+
+def print_table(result: dict) -> None:
+    head = (
+        f"{'rate':>6} {'server':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+        f" {'out tok/s':>9} {'req/s':>7} {'hit':>6} {'optimal':>7} {'err':>4}"
+    )
+    print()
+    print("TTFT in s, ITL in ms")
+    print(head)
+    for label in ("cache_on", "cache_off"):
+        for row in result[label] or []:
+            print(
+                f"{row['request_rate']!s:>6} {label.replace('cache_', 'cache '):>9}"
+                f" {common.fmt(row['ttft_p50_s']):>9} {common.fmt(row['ttft_p99_s']):>9}"
+                f" {common.fmt(row['itl_p50_s'], 1e3, 1):>8} {common.fmt(row['itl_p99_s'], 1e3, 1):>8}"
+                f" {common.fmt(row['output_tok_s'], 1, 1):>9} {common.fmt(row['req_s'], 1, 2):>7}"
+                f" {common.fmt(row['hit_rate']):>6} {common.fmt(row['optimal_hit_rate']):>7}"
+                f" {row['errors']:>4}"
+            )
+
+
+def plot(result: dict, path: str) -> None:
+    plt = common.pyplot()
+    cfg = result["config"]
+    labels = [str(r) for r in cfg["rates"]]
+    x = list(range(len(labels)))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    series = [("cache on", result["cache_on"], "tab:blue")]
+    if result["cache_off"]:
+        series.append(("cache off", result["cache_off"], "tab:red"))
+
+    def values(rows: list[dict], key: str) -> list[float]:
+        return [math.nan if r[key] is None else r[key] for r in rows]
+
+    ax = axes[0]
+    for name, rows, color in series:
+        ax.plot(x, values(rows, "ttft_p50_s"), "o-", color=color, label=f"{name} p50")
+        ax.plot(x, values(rows, "ttft_p99_s"), "--", color=color, alpha=0.6, label=f"{name} p99")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("time to first token")
+    ax = axes[1]
+    for name, rows, color in series:
+        ax.plot(x, values(rows, "output_tok_s"), "o-", color=color, label=name)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("throughput")
+    ax = axes[2]
+    ax.plot(x, values(result["cache_on"], "optimal_hit_rate"), "s--", color="gray", label="optimal")
+    for name, rows, color in series:
+        ax.plot(x, values(rows, "hit_rate"), "o-", color=color, label=name)
+    ax.set_ylabel("cached prompt tokens / prompt tokens")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("cache hit rate")
+    for ax in axes:
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0].set_ylim(bottom=0)
+    axes[1].set_ylim(bottom=0)
+    fig.suptitle(
+        f"{cfg.get('served_model_name')}: dataset {cfg['dataset']}, "
+        f"{cfg.get('num_requests')} requests, {cfg.get('input_tokens')} prompt tokens",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    common.add_server_options(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", choices=["random", "generated-shared-prefix"], default="random")
+    w.add_argument("--rates", type=parse_rates, default=parse_rates("1,2,4"), help="req/s; inf ok")
+    w.add_argument("--max-concurrency", type=int, default=None, help="default: unbounded")
+    w.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("random dataset")
+    r.add_argument("--num-prompts", type=int, default=32)
+    r.add_argument("--random-input-len", type=int, default=256)
+    r.add_argument("--random-output-len", type=int, default=64)
+    r.add_argument("--random-range-ratio", type=float, default=0.5)
+    g = p.add_argument_group("generated-shared-prefix dataset")
+    g.add_argument("--num-groups", type=int, default=4)
+    g.add_argument("--prompts-per-group", type=int, default=8)
+    g.add_argument("--system-prompt-len", type=int, default=512)
+    g.add_argument("--question-len", type=int, default=64)
+    g.add_argument("--output-len", type=int, default=64)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="write the results as JSON here")
+    o.add_argument("--plot", help="write a PNG plot here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    common.exit_on_sigterm()
+    result = run(opts)
+    print_table(result)
+    if opts.out:
+        common.write_json(opts.out, result)
+    if opts.plot:
+        plot(result, opts.plot)
+    sections = [*result["cache_on"], *(result["cache_off"] or [])]
+    failed = sum(s["errors"] for s in sections)
+    if failed:
+        print(f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
