@@ -60,9 +60,13 @@ class Children:
     def pids(self) -> dict[str, int]:
         return {role: p.pid for role, p in self.procs.items()}
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, grace: float = 2.0) -> None:
+        """Stop the children: they exit on the ShutdownReq sent before this; after a death
+        (nobody forwards that message any more) or past `grace`, they are killed."""
         self._stopping.set()
-        terminate_children(list(self.procs.values()), timeout)
+        if self.dead_child() is not None:
+            grace = 0.0
+        terminate_children(list(self.procs.values()), grace)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 

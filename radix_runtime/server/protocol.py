@@ -33,6 +33,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_BATCH = 1024  # generations one request may start (prompts x n)
 MAX_SEED = 2**63 - 1
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature is greedy (as vLLM and SGLang do)
 
 # ---------------------------------------------------------------------------------------------
 # the contract with the TokenizerManager
@@ -238,6 +239,9 @@ def sampling_params(
     f = fields
     temperature = 1.0 if f.temperature is None else f.temperature
     _check_range(temperature, _p(prefix, "temperature"), 0.0, 2.0)
+    if temperature < GREEDY_BELOW_TEMPERATURE:
+        # NOTE: logits / 1e-40 overflows float32: NaN probabilities that always draw token 0
+        temperature = 0.0
     top_p = 1.0 if f.top_p is None else f.top_p
     _check_range(top_p, _p(prefix, "top_p"), 0.0, 1.0, lo_open=True)
     top_k = -1 if f.top_k is None else f.top_k

@@ -44,6 +44,14 @@ class DrainingServer(uvicorn.Server):
         deadline = time.monotonic() + self.drain_timeout
         while self.manager.num_inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.manager.num_inflight:
+            # NOTE: what outlives the drain gets a 503, not a connection cut by uvicorn's shutdown
+            self.manager.fail_inflight(
+                f"the server shut down: --drain-timeout ({self.drain_timeout:g}s) expired"
+            )
+            deadline = time.monotonic() + 1.0
+            while self.manager.num_inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         self.should_exit = True
 
     def exit_soon(self, delay: float) -> None:

@@ -94,9 +94,7 @@ class TokenizerManager:
         self.fatal_message = message
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(message))
-        err = m.ReqOutput(rid="", finish_reason="error", error=message, error_code="server_error")
-        for state in self.states.values():
-            state.queue.put_nowait(err)
+        self.fail_inflight(message)
         for waiters in (self._info_waiters, self._flush_waiters):
             while waiters:
                 fut = waiters.popleft()
@@ -104,6 +102,12 @@ class TokenizerManager:
                     fut.set_exception(RuntimeError(message))
         if self.on_fatal is not None:
             self.on_fatal(message)
+
+    def fail_inflight(self, message: str) -> None:
+        """End every in-flight generation with a 503 carrying `message`."""
+        err = m.ReqOutput(rid="", finish_reason="error", error=message, error_code="server_error")
+        for state in self.states.values():
+            state.queue.put_nowait(err)
 
     @property
     def num_inflight(self) -> int:
@@ -264,9 +268,8 @@ class TokenizerManager:
         self._info_waiters.append(fut)
         await self._send(m.ServerInfoReq())
         info: m.ServerInfo = await asyncio.wait_for(fut, 30)
-        out = msgspec.to_builtins(info)
-        out.pop("type", None)
-        return out
+        # every field, zero counters included (the wire format omits defaults)
+        return msgspec.to_builtins(msgspec.structs.asdict(info))
 
     async def flush_cache(self) -> bool:
         self._check_alive()
