@@ -552,6 +552,16 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: str) -> None:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
+    plt = pyplot()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def progress(total: int, desc: str):
     from tqdm import tqdm
 

@@ -433,11 +433,7 @@ def plot(result: dict, path: str) -> None:
         f"{cfg['max_inflight']} in flight",
         fontsize=10,
     )
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}", file=sys.stderr)
+    common.save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -267,11 +267,7 @@ def plot(result: dict, path: str) -> None:
         f"{cfg.get('num_requests')} requests, {cfg.get('input_tokens')} prompt tokens",
         fontsize=10,
     )
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}", file=sys.stderr)
+    common.save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
