@@ -2,43 +2,26 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
 
-# the frontend DSL (radix_runtime.lang), re-exported as rr.function, rr.gen, ...
-_LANG_NAMES = frozenset(
-    {
-        "Backend",
-        "ForkGroup",
-        "Program",
-        "ProgramState",
-        "RoleMarkers",
-        "Runtime",
-        "RuntimeEndpoint",
-        "ServerError",
-        "assistant",
-        "function",
-        "gen",
-        "get_default_backend",
-        "select",
-        "set_default_backend",
-        "system",
-        "user",
-    }
-)
+__version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # lazy: `import radix_runtime` must stay cheap (the scheduler process is torch-free)
+    # lazy: `import radix_runtime` must stay cheap (the scheduler process is torch-free);
+    # the frontend DSL (radix_runtime.lang) is re-exported as rr.function, rr.gen, ...
     if name == "Engine":
         from radix_runtime.engine import Engine
 
         return Engine
-    if name in _LANG_NAMES:
-        from radix_runtime import lang
-
-        return getattr(lang, name)
+    if not name.startswith("__"):
+        # import_module, not `from radix_runtime import lang`: that would ask __getattr__ again
+        lang = importlib.import_module("radix_runtime.lang")
+        if name in lang.__all__:
+            return getattr(lang, name)
     raise AttributeError(f"module 'radix_runtime' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), "Engine", *_LANG_NAMES])
+    lang = importlib.import_module("radix_runtime.lang")
+    return sorted([*globals(), "Engine", *lang.__all__])

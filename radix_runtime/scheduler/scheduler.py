@@ -417,9 +417,7 @@ class Scheduler:
         if dup_hi > req.tree_pages:
             # someone else cached these tokens first: use their pages, free ours
             self.allocator.free(req.pages[req.tree_pages : dup_hi])
-            req.pages[req.tree_pages : dup_hi] = [
-                int(p) for p in match.pages[req.tree_pages : dup_hi]
-            ]
+            req.pages[req.tree_pages : dup_hi] = match.pages[req.tree_pages : dup_hi].tolist()
             req.sent_pages = min(req.sent_pages, req.tree_pages)
         self.cache.lock(match.node)
         self.cache.unlock(req.node)
