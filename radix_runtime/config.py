@@ -35,12 +35,15 @@ class ServerArgs:
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
+    enable_mixed_chunk: bool = False  # decodes ride along with prefill chunks in one batch
     disable_radix_cache: bool = False
     radix_tree_impl: str = "auto"  # auto | cpp | python
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    # prefill/mixed batches of up to this many tokens replay CUDA graphs too; 0: none
+    cuda_graph_max_extend_tokens: int = 1024
     # process hygiene
     log_level: str = "info"
     watchdog_timeout: float = (
@@ -73,6 +76,8 @@ class ServerArgs:
             raise ValueError(f"unknown --load-format {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"unknown --attention-backend {self.attention_backend!r}")
+        if self.cuda_graph_max_extend_tokens < 0:
+            raise ValueError("--cuda-graph-max-extend-tokens must be >= 0")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
 
@@ -89,6 +94,10 @@ _HELP = {
     "max_total_tokens": "KV pool capacity in tokens (default: sized from memory)",
     "schedule_policy": "lpm (longest prefix match), dfs-weight, or fcfs",
     "disable_radix_cache": "same code path, but nothing is reused across requests",
+    "enable_mixed_chunk": "put decodes and prefill chunks in one batch (default: a step with "
+    "prefill work runs only prefills; decode-only steps run as CUDA graphs)",
+    "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
+    "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
 }
 

@@ -1,10 +1,13 @@
 """The scheduler: owns every decision about KV memory and batching. Torch-free.
 
 One step reads as three lines (see `scheduler/main.py`): schedule, run on the worker, process the
-result. `schedule()` builds a mixed batch: every decoding request gets one token, and prefill
-chunks fill the rest of the token budget (chunked prefill), continuing requests first, then new
-ones in policy order. Memory pressure is met by evicting cached prefixes first, then by retracting
-running requests (their computed KV goes into the tree, so the retry mostly hits the cache).
+result. By default `schedule()` is prefill-first (as SGLang): when any prefill work can be
+scheduled, the step holds only prefill chunks within the token budget (chunked prefill),
+continuing requests first, then new ones in policy order; otherwise it is a decode-only step
+(every decoding request gets one token), which the worker can replay as a CUDA graph. With
+`--enable-mixed-chunk` every step is mixed: decodes first, prefill chunks fill the rest of the
+budget. Memory pressure is met by evicting cached prefixes first, then by retracting running
+requests (their computed KV goes into the tree, so the retry mostly hits the cache).
 """
 
 from __future__ import annotations
@@ -157,10 +160,21 @@ class Scheduler:
 
     def schedule(self) -> tuple[ForwardBatch, list[PlannedReq]] | None:
         plan: list[PlannedReq] = []
-        self._schedule_decodes(plan)
-        budget = max(self.args.chunked_prefill_size - len(plan), 0)
-        budget = self._schedule_running_prefills(plan, budget)
-        self._schedule_waiting(plan, budget)
+        budget = self.args.chunked_prefill_size
+        if self.args.enable_mixed_chunk:
+            self._schedule_decodes(plan)
+            budget = self._schedule_running_prefills(plan, max(budget - len(plan), 0))
+            self._schedule_waiting(plan, budget)
+        else:
+            # prefill-first; the decoders' next pages stay free, so a prefill never forces a
+            # retraction, and a prefill that cannot go now leaves the step to the decodes
+            budget = self._schedule_running_prefills(plan, budget, self._decode_reserve())
+            self._schedule_waiting(plan, budget)
+            if not plan:
+                running = len(self.running)
+                self._schedule_decodes(plan)
+                if not plan and len(self.running) < running:
+                    return self.schedule()  # every decoder left: their pages may fit a prefill
         if not plan and len(self.running) > 1:
             # every running request is mid-prefill and none can grow: free the newest one's pages
             self._retract(max(self.running, key=lambda r: r.arrival))
@@ -199,14 +213,18 @@ class Scheduler:
         if decoders:
             self.decode_steps += 1
 
-    def _schedule_running_prefills(self, plan: list[PlannedReq], budget: int) -> int:
+    def _schedule_running_prefills(
+        self, plan: list[PlannedReq], budget: int, reserve: int = 0
+    ) -> int:
         for req in self.running:
             if budget <= 0:
                 break
             if req.is_decoding or req.remaining_fill <= 0:
                 continue
             n = min(budget, req.remaining_fill)
-            if not self._grow_pages(req, req.kv_len + n):
+            if self._available_pages() - reserve < self._pages_needed(
+                req, n
+            ) or not self._grow_pages(req, req.kv_len + n):
                 break
             plan.append(PlannedReq(req, n, req.kv_len + n == req.all_len and not req.prefill_only))
             budget -= n
@@ -215,11 +233,20 @@ class Scheduler:
     def _schedule_waiting(self, plan: list[PlannedReq], budget: int) -> None:
         if not self.waiting or budget <= 0:
             return
+        matches = {}
+        if self.args.schedule_policy == "dfs-weight":
+            # a match may split a tree node: match them all before dfs-weight walks parent links,
+            # or a request reached through a stale link is listed twice
+            matches = {id(r): self._match(r) for r in self.waiting}
+
+        def ordering_match(r: Req):
+            return matches[id(r)] if matches else self._match(r)
+
         ordered = order_waiting(
             self.args.schedule_policy,
             self.waiting,
-            match_len=lambda r: self._match(r).length,
-            match_node=lambda r: self._match(r).node,
+            match_len=lambda r: ordering_match(r).length,
+            match_node=lambda r: ordering_match(r).node,
         )
         admitted: list[Req] = []
         for req in ordered:
@@ -235,7 +262,7 @@ class Scheduler:
             req.kv_len = match.length
             n = min(budget, req.remaining_fill)
             # keep room for the running decoders' next page so admission never forces a retraction
-            reserve = sum(1 for r in self.running if r.is_decoding)
+            reserve = self._decode_reserve()
             if self._available_pages() - reserve < self._pages_needed(
                 req, n
             ) or not self._grow_pages(req, req.kv_len + n):
@@ -254,6 +281,10 @@ class Scheduler:
             admitted.append(req)
             plan.append(PlannedReq(req, n, req.kv_len + n == req.all_len and not req.prefill_only))
             budget -= n
+
+    def _decode_reserve(self) -> int:
+        """Pages to keep free for the running decoders' next tokens (one each, conservatively)."""
+        return sum(1 for r in self.running if r.is_decoding)
 
     def _match(self, req: Req):
         """Longest cached prefix, always leaving one token to compute (and the prompt positions

@@ -86,8 +86,13 @@ def run_workload(
     max_running=8,
     arrivals=None,
     check_every_step=True,
+    mixed=False,
+    trace=None,
 ):
-    """Run prompts to completion; `arrivals[i]` is the step at which request i arrives."""
+    """Run prompts to completion; `arrivals[i]` is the step at which request i arrives.
+
+    `mixed` sets enable_mixed_chunk; `trace`, a list, gets one entry per step: the batch's
+    (rid, num_tokens) pairs, in order (empty when nothing was scheduled)."""
     args = ServerArgs(
         page_size=page_size,
         max_total_tokens=pool_tokens,
@@ -96,6 +101,7 @@ def run_workload(
         chunked_prefill_size=chunk,
         max_running_requests=max_running,
         radix_tree_impl="python",
+        enable_mixed_chunk=mixed,
     )
     worker = FakeWorker(pool_tokens // page_size + 1, page_size, max_running)
     sched = Scheduler(args, worker.ready())
@@ -115,6 +121,8 @@ def run_workload(
             )
             pending.remove(i)
         scheduled = sched.schedule()
+        if trace is not None:
+            trace.append([(p.req.rid, p.num_tokens) for p in scheduled[1]] if scheduled else [])
         if scheduled is not None:
             batch, plan = scheduled
             sched.process_result(plan, worker.forward(batch))
@@ -151,14 +159,18 @@ def shared_prefix_prompts(seed=0, n=12):
     return prompts
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
-def test_cache_on_equals_cache_off(page_size, policy):
+MODES = pytest.mark.parametrize("mixed", [False, True], ids=["prefill_first", "mixed"])
+
+
+def check_cache_on_equals_cache_off(page_size, policy, mixed):
     prompts = shared_prefix_prompts()
     arrivals = [i // 3 * 5 for i in range(len(prompts))]
-    off, _, _ = run_workload(prompts, 12, page_size=page_size, disable=True, arrivals=arrivals)
+    # the reference is always mixed with the cache off: outputs must not depend on the mode either
+    off, _, _ = run_workload(
+        prompts, 12, page_size=page_size, disable=True, arrivals=arrivals, mixed=True
+    )
     on, fin, sched = run_workload(
-        prompts, 12, page_size=page_size, policy=policy, arrivals=arrivals
+        prompts, 12, page_size=page_size, policy=policy, arrivals=arrivals, mixed=mixed
     )
     assert on == off
     assert sched.cached_tokens_total > 0, "the shared prefixes must hit"
@@ -166,12 +178,199 @@ def test_cache_on_equals_cache_off(page_size, policy):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_pressure_evicts_and_retracts_without_changing_outputs(page_size):
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+def test_cache_on_equals_cache_off(page_size, policy):
+    check_cache_on_equals_cache_off(page_size, policy, mixed=False)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+def test_cache_on_equals_cache_off_mixed(page_size, policy):
+    check_cache_on_equals_cache_off(page_size, policy, mixed=True)
+
+
+def check_pressure_evicts_and_retracts(page_size, mixed):
     prompts = shared_prefix_prompts(seed=1, n=16)
-    off, _, _ = run_workload(prompts, 24, page_size=page_size, disable=True, pool_tokens=4096)
-    on, _, sched = run_workload(prompts, 24, page_size=page_size, pool_tokens=256, max_running=8)
+    off, _, _ = run_workload(
+        prompts, 24, page_size=page_size, disable=True, pool_tokens=4096, mixed=True
+    )
+    # run_workload checks integrity every step and at the end (no leaked pages or slots)
+    on, _, sched = run_workload(
+        prompts, 24, page_size=page_size, pool_tokens=256, max_running=8, mixed=mixed
+    )
     assert on == off
     assert sched.retractions > 0, "a 256-token pool must force retraction"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pressure_evicts_and_retracts_without_changing_outputs(page_size):
+    check_pressure_evicts_and_retracts(page_size, mixed=False)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pressure_evicts_and_retracts_without_changing_outputs_mixed(page_size):
+    check_pressure_evicts_and_retracts(page_size, mixed=True)
+
+
+def decoding_scheduler(
+    n_decoders=2, *, mixed=False, max_running=8, pool_tokens=4096, chunk=64, max_new=40
+):
+    """A scheduler (and its fake worker) with `n_decoders` requests already decoding."""
+    args = ServerArgs(
+        max_total_tokens=pool_tokens,
+        max_running_requests=max_running,
+        chunked_prefill_size=chunk,
+        radix_tree_impl="python",
+        enable_mixed_chunk=mixed,
+    )
+    worker = FakeWorker(pool_tokens + 1, 1, max_running)
+    sched = Scheduler(args, worker.ready())
+    for i in range(n_decoders):
+        add(sched, f"d{i}", [10 + i, 20, 30, 40 + i], max_new)
+    while not all(r.is_decoding for r in sched.running) or sched.waiting:
+        step(sched, worker)
+    return sched, worker
+
+
+def add(sched, rid, prompt, max_new):
+    sched.add_request(
+        m.GenerateReq(
+            rid=rid,
+            input_ids=m.pack_ids(prompt),
+            sampling=m.SamplingParams(max_new_tokens=max_new, temperature=0.0),
+        )
+    )
+
+
+def step(sched, worker) -> list[tuple[str, int]]:
+    """One scheduler step; returns the batch as (rid, num_tokens) pairs."""
+    batch, plan = sched.schedule()
+    rows = [(p.req.rid, p.num_tokens) for p in plan]
+    sched.process_result(plan, worker.forward(batch))
+    return rows
+
+
+@MODES
+def test_new_request_prefills_alone_unless_mixed(mixed):
+    sched, worker = decoding_scheduler(2, mixed=mixed)
+    add(sched, "new", list(range(1, 31)), 5)
+    decode_steps = sched.decode_steps
+    rows = step(sched, worker)
+    if mixed:
+        assert rows == [("d0", 1), ("d1", 1), ("new", 30)]
+    else:
+        assert rows == [("new", 30)], "a prefill step holds no decode rows"
+        assert sched.decode_steps == decode_steps
+    # then everyone decodes together
+    assert step(sched, worker) == [("d0", 1), ("d1", 1), ("new", 1)]
+
+
+@MODES
+def test_long_prompt_chunks_then_decodes_resume(mixed):
+    short = [[10, 20, 30, 40], [11, 21, 31, 41]]
+    long_prompt = [1 + i % 90 for i in range(100)]
+    prompts = [*short, long_prompt]
+    trace: list = []
+    out, fin, _ = run_workload(prompts, 30, chunk=16, arrivals=[0, 0, 3], mixed=mixed, trace=trace)
+    ref, _, _ = run_workload(prompts, 30, chunk=16, arrivals=[0, 0, 3], disable=True, mixed=True)
+    assert out == ref, "greedy outputs do not depend on the scheduling mode"
+    assert set(fin) == {"r0", "r1", "r2"} and len(out["r0"]) == len(out["r1"]) == 30
+    # the steps that carry r2's prompt: 100 tokens in chunks of 16 (prefill-first) or of 16 minus
+    # the two decode rows (mixed)
+    chunks = [(i, n) for i, rows in enumerate(trace) for rid, n in rows if rid == "r2" and n > 1]
+    assert sum(n for _, n in chunks) == 100
+    assert [n for _, n in chunks] == ([16] * 6 + [4] if not mixed else [14] * 7 + [2])
+    for i, _ in chunks:
+        assert [rid for rid, _ in trace[i] if rid != "r2"] == ([] if not mixed else ["r0", "r1"])
+    # after the prefill all three decode together
+    assert trace[chunks[-1][0] + 1] == [("r0", 1), ("r1", 1), ("r2", 1)]
+
+
+@MODES
+def test_waiting_request_without_a_slot_does_not_stall_decodes(mixed):
+    sched, worker = decoding_scheduler(2, mixed=mixed, max_running=2)
+    add(sched, "late", list(range(1, 9)), 3)
+    for _ in range(10):
+        assert step(sched, worker) == [("d0", 1), ("d1", 1)]
+    assert [r.rid for r in sched.waiting] == ["late"]
+    while sched.has_work():
+        step(sched, worker)
+    sched.check_integrity()
+    done = {o.rid: o.finish_reason for o in sched.take_outputs() if o.finish_reason}
+    assert done == {"d0": "length", "d1": "length", "late": "length"}
+
+
+@MODES
+def test_waiting_request_without_memory_does_not_stall_decodes(mixed):
+    # 64 tokens of KV: two decoders of 4 + 10 tokens fit; a 60-token prompt only once they finish
+    sched, worker = decoding_scheduler(2, mixed=mixed, pool_tokens=64, max_new=10)
+    add(sched, "late", list(range(1, 61)), 3)
+    for _ in range(9):
+        assert step(sched, worker) == [("d0", 1), ("d1", 1)]
+    assert [r.rid for r in sched.waiting] == ["late"]
+    assert step(sched, worker) == [("late", 60)]
+    while sched.has_work():
+        step(sched, worker)
+        sched.check_integrity()
+    done = {o.rid: o.finish_reason for o in sched.take_outputs() if o.finish_reason}
+    assert done == {"d0": "length", "d1": "length", "late": "length"}
+    assert sched.retractions == 0, "admission keeps room for the decoders"
+
+
+def drive_decoder_and_long_prompt(pool_tokens, mixed):
+    """A decodes while B's 36-token prompt arrives in chunks of 16; returns outputs, batches."""
+    sched, worker = decoding_scheduler(
+        1, mixed=mixed, pool_tokens=pool_tokens, chunk=16, max_new=30
+    )
+    for _ in range(3):
+        step(sched, worker)
+    add(sched, "b", list(range(1, 37)), 3)
+    trace = []
+    while sched.has_work():
+        trace.append(step(sched, worker))
+        sched.check_integrity()
+        assert len(trace) < 200
+    outs: dict[str, list[int]] = {}
+    for o in sched.take_outputs():
+        outs.setdefault(o.rid, []).extend(m.unpack_ids(o.new_ids).tolist())
+    return outs, trace, sched
+
+
+@MODES
+def test_decoder_retracted_for_a_blocked_prefill_then_resumes(mixed):
+    ref, _, _ = drive_decoder_and_long_prompt(4096, mixed=True)
+    outs, trace, sched = drive_decoder_and_long_prompt(40, mixed=mixed)
+    assert outs == ref and len(outs["d0"]) == 30
+    assert sched.retractions == 1
+    if not mixed:
+        # B's third chunk does not fit next to d0's next page: d0 decodes; then d0 cannot grow,
+        # is retracted, and its pages go to B's chunk in the same step (no empty step)
+        assert trace[:4] == [[("b", 16)], [("b", 16)], [("d0", 1)], [("b", 4)]]
+
+
+@MODES
+def test_dfs_weight_order_survives_node_splits(mixed):
+    # matching one waiting request can split a tree node that another's parent walk went through
+    rng = random.Random(161)
+    prompts = shared_prefix_prompts(seed=161, n=12)
+    arrivals = sorted(rng.randrange(0, 40) for _ in prompts)
+    chunk = rng.choice([16, 64, 256])
+    ref, _, _ = run_workload(prompts, 8, disable=True, arrivals=arrivals, chunk=chunk, mixed=True)
+    out, _, _ = run_workload(
+        prompts, 8, policy="dfs-weight", arrivals=arrivals, chunk=chunk, mixed=mixed
+    )
+    assert out == ref
+
+
+def test_enable_mixed_chunk_flag():
+    import argparse
+
+    from radix_runtime.config import add_server_args, args_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert args_from_namespace(parser.parse_args([])).enable_mixed_chunk is False
+    assert args_from_namespace(parser.parse_args(["--enable-mixed-chunk"])).enable_mixed_chunk
 
 
 def test_multi_turn_hits_whole_history():
@@ -270,8 +469,9 @@ def test_prefill_only_request_warms_the_cache():
     page_size=st.sampled_from([1, 4, 16]),
     pool=st.sampled_from([128, 256, 1024]),
     chunk=st.sampled_from([16, 48, 256]),
+    mixed=st.booleans(),
 )
-def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk):
+def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk, mixed):
     rng = random.Random(seed)
     bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(5, 60))] for _ in range(3)]
     prompts = []
@@ -290,6 +490,7 @@ def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk):
         pool_tokens=2048,
         chunk=chunk,
         arrivals=arrivals,
+        mixed=True,
     )
     on, _, _ = run_workload(
         prompts,
@@ -299,5 +500,6 @@ def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk):
         chunk=chunk,
         arrivals=arrivals,
         max_running=4,
+        mixed=mixed,
     )
     assert on == off
