@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -127,3 +128,200 @@ class CudaGraphRunner:
         )
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill / mixed batches
+
+
+def extend_token_sizes(max_tokens: int) -> list[int]:
+    """64, 128, 192, 256, 384, 512, then doubling; max_tokens always included (0: none).
+    Padding wastes at most half a step's tokens, and below ~200 tokens an 8B step costs about
+    the same at any row count (it streams the weights)."""
+    if max_tokens <= 0:
+        return []
+    sizes, t = [64, 128, 192, 256, 384], 512
+    while t < max_tokens:
+        sizes.append(t)
+        t *= 2
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+EXTEND_REQ_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)  # requests per captured graph
+
+
+def pick_extend_shape(
+    req_sizes: list[int], token_sizes: list[int], num_reqs: int, num_tokens: int
+) -> tuple[int, int] | None:
+    """The captured (requests, tokens) shape for a batch: the fewest requests >= num_reqs, then
+    the fewest tokens that leave each padding request one; None when nothing holds the batch."""
+    for bs in req_sizes:
+        if bs >= num_reqs:
+            i = bisect.bisect_left(token_sizes, num_tokens + bs - num_reqs)
+            return (bs, token_sizes[i]) if i < len(token_sizes) else None
+    return None
+
+
+@dataclass
+class PaddedExtend:
+    """A prefill/mixed batch padded to a captured (bs, tokens) shape (host arrays)."""
+
+    input_ids: np.ndarray  # [tokens]
+    positions: np.ndarray  # [tokens]
+    out_cache_loc: np.ndarray  # [tokens]: padding tokens write into page 0
+    qo_indptr: np.ndarray  # [bs + 1] int32
+    kv_indptr: np.ndarray  # [bs + 1] int32, counting the pages padding rows read
+    kv_last_page_len: np.ndarray  # [bs] int32
+    rows: np.ndarray  # [bs]: the row whose logits each request gets (its last real one)
+    num_pad_pages: int  # page ids past the real ones that padding rows read
+
+
+def pad_extend_batch(
+    qo_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    out_cache_loc: np.ndarray,
+    bs: int,
+    tokens: int,
+    page_size: int,
+) -> PaddedExtend:
+    """bs - b padding requests of one token each (token 0 at position 0); the tokens still
+    missing extend the last request, padding or real, at the positions after its own."""
+    qo_lens, kv_lens = qo_lens.astype(np.int64), seq_lens.astype(np.int64)
+    b, n = len(qo_lens), int(qo_lens.sum())
+    extra = tokens - n - (bs - b)
+    if b > bs or extra < 0:
+        raise ValueError(f"{b} requests of {n} tokens do not fit the shape ({bs}, {tokens})")
+    real_rows = np.cumsum(qo_lens) - 1
+    qo_lens = np.concatenate([qo_lens, np.ones(bs - b, np.int64)])
+    kv_lens = np.concatenate([kv_lens, np.ones(bs - b, np.int64)])
+    real_pages = int((-(-kv_lens[:b] // page_size)).sum())
+    pad_pos = np.concatenate([np.zeros(bs - b, np.int64), kv_lens[-1] + np.arange(extra)])
+    qo_lens[-1] += extra
+    kv_lens[-1] += extra
+    pages = -(-kv_lens // page_size)
+    return PaddedExtend(
+        input_ids=np.concatenate([input_ids, np.zeros(tokens - n, np.int64)]),
+        positions=np.concatenate([positions, pad_pos]),
+        out_cache_loc=np.concatenate([out_cache_loc, pad_pos % page_size]),
+        qo_indptr=np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32),
+        kv_indptr=np.concatenate([[0], np.cumsum(pages)]).astype(np.int32),
+        kv_last_page_len=(kv_lens - (pages - 1) * page_size).astype(np.int32),
+        rows=np.concatenate([real_rows, n + np.arange(bs - b)]),
+        num_pad_pages=int(pages.sum()) - real_pages,
+    )
+
+
+class ExtendGraphRunner:
+    """CUDA graphs for batches that hold prefill chunks (alone or mixed with decodes).
+
+    An eager forward of a small prefill is bound by the host (hundreds of Python-launched kernels
+    and FlashInfer calls, ~0.5 ms per layer), not by the GPU; a graph replays them for the GPU
+    time alone. Each graph covers `bs` requests and `tokens` rows, one (requests, tokens) pair per
+    captured shape. A batch of b requests and n tokens runs in the smallest shape with bs >= b
+    and tokens >= n + (bs - b): bs - b padding requests of one token each, and the tokens still
+    missing appended to the last request (padding or real: causal attention keeps a real
+    request's rows blind to tokens after them). Like the decode graphs' padding rows, padding
+    tokens read stale-but-valid page ids, write their K/V into the reserved page 0, and their
+    logits are dropped. Logits come out for each request's last real row only, so a batch that
+    wants prompt logprobs (every row) runs eagerly.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn: AttentionBackend,
+        kv_pool: KVPool,
+        max_tokens: int,
+        max_reqs: int,
+        max_pages_per_slot: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.page_size = kv_pool.page_size
+        self.kv_pool = kv_pool
+        self.token_sizes = extend_token_sizes(max_tokens)
+        self.req_sizes = [s for s in EXTEND_REQ_SIZES if s <= max_reqs] or [1]
+        self.max_tokens, self.max_reqs = self.token_sizes[-1], self.req_sizes[-1]
+        t, b = self.max_tokens, self.max_reqs
+        # token ids, positions, KV locations (t each), logit rows (b): one host->device copy
+        self.flat = torch.zeros(3 * t + b, dtype=torch.int64, device=device)
+        self.ids, self.positions, self.locs = (
+            self.flat[:t],
+            self.flat[t : 2 * t],
+            self.flat[2 * t : 3 * t],
+        )
+        self.rows = self.flat[3 * t :]
+        attn.init_extend_graph_state(b, b * max_pages_per_slot + t)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.replays = 0
+        t0 = time.perf_counter()
+        pool = None
+        for tokens in reversed(self.token_sizes):
+            for bs in reversed(self.req_sizes):
+                if tokens >= bs:
+                    pool = self._capture(bs, tokens, pool)
+        self.capture_s = time.perf_counter() - t0
+        logger.info(
+            "captured %d prefill CUDA graphs (%s tokens x %s requests) in %.1fs",
+            len(self.graphs), self.token_sizes, self.req_sizes, self.capture_s,
+        )  # fmt: skip
+
+    def _run_model(self, bs: int, tokens: int) -> torch.Tensor:
+        hidden = self.model(self.ids[:tokens], self.positions[:tokens], self.attn, self.kv_pool)
+        return self.model.compute_logits(hidden[self.rows[:bs]])
+
+    def _plan(self, meta: AttentionMetadata | None, bs: int, tokens: int) -> None:
+        """Pad the batch (None: nothing but padding, for the capture) to (bs, tokens), fill the
+        input buffers with one copy and plan the attention for the shape."""
+        t = self.max_tokens
+        if meta is None:
+            empty = np.zeros(0, np.int64)
+            pad = pad_extend_batch(empty, empty, empty, empty, empty, bs, tokens, self.page_size)
+            indices = self.flat.new_zeros(0, dtype=torch.int32)
+        else:
+            pad = pad_extend_batch(
+                np.diff(meta.qo_indptr_cpu), meta.seq_lens_cpu, meta.input_ids_cpu,
+                meta.positions_cpu, meta.out_cache_loc_cpu, bs, tokens, self.page_size,
+            )  # fmt: skip
+            indices = meta.kv_page_indices
+        host = np.zeros(3 * t + self.max_reqs, np.int64)
+        host[:tokens], host[t : t + tokens] = pad.input_ids, pad.positions
+        host[2 * t : 2 * t + tokens], host[3 * t : 3 * t + bs] = pad.out_cache_loc, pad.rows
+        self.flat.copy_(torch.from_numpy(host))
+        # the pages past the real ones (padding, extension) are whatever the shared index
+        # buffer holds there: stale but valid ids, only read, by rows whose outputs are dropped
+        self.attn.plan_extend_graph(
+            pad.qo_indptr, pad.kv_indptr, indices, pad.kv_last_page_len, self.locs[:tokens]
+        )
+
+    @torch.inference_mode()
+    def _capture(self, bs: int, tokens: int, pool):
+        self._plan(None, bs, tokens)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run_model(bs, tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[(bs, tokens)] = self._run_model(bs, tokens)
+        self.graphs[(bs, tokens)] = graph
+        return graph.pool()
+
+    def replay(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """float32 logits [B, vocab] of each request's last row (a view into the graph's output,
+        valid until the next replay), or None when no captured shape holds the batch."""
+        shape = pick_extend_shape(
+            self.req_sizes, self.token_sizes, meta.batch_size, meta.num_tokens
+        )
+        if shape is None:
+            return None
+        self._plan(meta, *shape)
+        self.graphs[shape].replay()
+        self.replays += 1
+        return self.outputs[shape][: meta.batch_size]

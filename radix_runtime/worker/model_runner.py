@@ -23,7 +23,7 @@ from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
-from radix_runtime.worker.cuda_graph import CudaGraphRunner
+from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.kv_pool import KVPool, num_pages_for
 from radix_runtime.worker.loader import load_model
 from radix_runtime.worker.sampler import Sampler, target_logprobs
@@ -86,6 +86,21 @@ class ModelRunner:
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
             self.cuda_graphs = CudaGraphRunner(
                 self.model, self.attn, self.kv_pool, max_bs, self.max_pages_per_slot, self.device
+            )
+        self.extend_graphs: ExtendGraphRunner | None = None
+        if (
+            self.attn.supports_extend_graph
+            and not args.disable_cuda_graph
+            and args.cuda_graph_max_extend_tokens > 0
+        ):
+            self.extend_graphs = ExtendGraphRunner(
+                self.model,
+                self.attn,
+                self.kv_pool,
+                args.cuda_graph_max_extend_tokens,
+                args.max_running_requests,
+                self.max_pages_per_slot,
+                self.device,
             )
         logger.info(
             "worker ready: %s on %s/%s, %d KV pages x %d tokens, backend %s, CUDA graphs %s",
@@ -170,13 +185,19 @@ class ModelRunner:
 
     def _logits(self, layout: _StepLayout, keep: bool) -> torch.Tensor:
         """float32 logits of `layout.logit_rows`: a CUDA graph replay for decode-only batches
-        that fit one (its output buffer is reused by the next replay: `keep` copies it out),
+        that fit one, or for prefill/mixed batches that fit a captured shape and want no prompt
+        logprobs (a graph's output buffer is reused by the next replay: `keep` copies it out),
         else plan + an eager forward."""
         meta = layout.meta
+        logits = None
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
-            logits = self.cuda_graphs.replay(meta, np.concatenate(layout.ids))
-            if len(layout.logit_rows) < meta.batch_size:  # some 1-token chunk samples nothing
-                return logits[torch.from_numpy(layout.logit_rows).to(self.device)]
+            logits = self.cuda_graphs.replay(meta, meta.input_ids_cpu)
+        elif self.extend_graphs is not None and all(b - a <= 1 for a, b in layout.logit_ranges):
+            logits = self.extend_graphs.replay(meta)  # None: no captured shape holds it
+        if logits is not None:  # one row per request, its last
+            if len(layout.logit_rows) < meta.batch_size:  # some chunk samples nothing
+                wanted = [i for i, (a, b) in enumerate(layout.logit_ranges) if b > a]
+                return logits[torch.tensor(wanted, dtype=torch.long, device=self.device)]
             return logits.clone() if keep else logits
         self.attn.plan(meta)
         hidden = self.model(layout.input_ids, meta.positions, self.attn, self.kv_pool)
@@ -209,10 +230,12 @@ class ModelRunner:
             ]
         )
         out_cache_loc = token_pages.astype(np.int64) * self.page_size + positions % self.page_size
+        input_ids_cpu = np.concatenate(ids).astype(np.int64)
         meta = self._metadata(
-            qo_lens, prefix_lens, seq_lens, num_pages, page_rows, positions, out_cache_loc
-        )
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(self.device)
+            qo_lens, prefix_lens, seq_lens, num_pages, page_rows, input_ids_cpu, positions,
+            out_cache_loc,
+        )  # fmt: skip
+        input_ids = torch.from_numpy(input_ids_cpu).to(self.device)
         self._observe_fed(reqs, input_ids, meta.qo_indptr_cpu)
         logit_rows, logit_ranges = self._logit_rows(reqs, meta.qo_indptr_cpu)
         return _StepLayout(input_ids, meta, ids, logit_rows, logit_ranges)
@@ -253,6 +276,7 @@ class ModelRunner:
         seq_lens: np.ndarray,
         num_pages: np.ndarray,
         page_rows: list[np.ndarray],
+        input_ids: np.ndarray,
         positions: np.ndarray,
         out_cache_loc: np.ndarray,
     ) -> AttentionMetadata:
@@ -275,6 +299,9 @@ class ModelRunner:
             kv_last_page_len_cpu=last_page_len,
             prefix_lens_cpu=prefix_lens,
             seq_lens_cpu=seq_lens.astype(np.int32),
+            input_ids_cpu=input_ids,
+            positions_cpu=positions.astype(np.int64, copy=False),
+            out_cache_loc_cpu=out_cache_loc,
             qo_indptr=qo_indptr_d,
             kv_indptr=kv_indptr_d,
             kv_page_indices=indices_d,

@@ -66,3 +66,61 @@ def test_one_token_chunk_that_samples_nothing():
     (g_res, g_logits), (e_res, e_logits) = outs
     assert g_logits[1] is None and g_res[1].next_id == -1
     assert rel_err(g_logits[0], e_logits[0]) < 1e-2
+
+
+def _check_rows(outs, slack: float = 0.05) -> None:
+    (g_res, g_logits), (e_res, e_logits) = outs
+    for j in range(len(g_res)):
+        assert (g_logits[j] is None) == (e_logits[j] is None)
+        if e_logits[j] is None:
+            assert g_res[j].next_id == e_res[j].next_id == -1
+            continue
+        assert rel_err(g_logits[j], e_logits[j]) < 1e-2
+        assert greedy_agrees(g_logits[j], e_logits[j], slack)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_graphs_match_eager(page_size):
+    """Prefill and mixed batches replayed in the captured (requests, tokens) shapes, padded with
+    padding requests and extra tokens, against the eager runner."""
+    graphs = cuda_runner(page_size=page_size, cuda_graph_max_extend_tokens=256)
+    eager = cuda_runner(page_size=page_size, disable_cuda_graph=True)
+    assert eager.extend_graphs is None
+    ext = graphs.extend_graphs
+    assert ext.token_sizes == [64, 128, 192, 256] and ext.req_sizes == [1, 2, 4, 8, 16]
+    copy_weights(eager, graphs)
+    d = Driver([graphs, eager])
+    a, b, c, e = Seq(slot=0), Seq(slot=1), Seq(slot=2), Seq(slot=3)
+    replays = ext.replays
+
+    def step(reqs, graphed: bool):
+        nonlocal replays
+        outs = d.step(reqs)
+        _check_rows(outs)
+        replays += graphed
+        assert ext.replays == replays, "the batch did not take the expected path"
+        return outs[1][0]
+
+    # one fresh prompt of exactly 64 tokens (no padding), then one of 37 (27 extra tokens)
+    step([d.req(a, random_ids(64, 1), prompt_logprobs=False)], True)
+    step([d.req(b, random_ids(37, 2), prompt_logprobs=False)], True)
+    # a prefix hit: c starts with a's first 48 tokens cached, then a chunk that samples nothing
+    d.share_prefix(c, a, 48)
+    step([d.req(c, random_ids(20, 3), sample=False, prompt_logprobs=False)], True)
+    # mixed: two decodes, c's last chunk, a fresh prompt (4 requests, padded to 128 tokens)
+    res = step(
+        [
+            d.req(a, [11], prompt_logprobs=False),
+            d.req(b, [12], prompt_logprobs=False),
+            d.req(c, random_ids(30, 4), prompt_logprobs=False),
+            d.req(e, random_ids(50, 5), prompt_logprobs=False),
+        ],
+        True,
+    )
+    assert all(r.next_id >= 0 for r in res)
+    # too many tokens for any shape, and prompt logprobs: eager in both
+    f, g = Seq(slot=4), Seq(slot=5)
+    step([d.req(f, random_ids(300, 6), prompt_logprobs=False)], False)
+    step([d.req(g, random_ids(40, 7), prompt_logprobs=True)], False)
+    # then decoding every request through the decode graphs still agrees
+    step([d.req(s, [13], prompt_logprobs=False) for s in (a, b, c, e, f, g)], False)

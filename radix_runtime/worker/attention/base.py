@@ -40,6 +40,9 @@ class AttentionMetadata:
     kv_last_page_len_cpu: np.ndarray  # [B] int32
     prefix_lens_cpu: np.ndarray  # [B] int32: tokens already cached before this step
     seq_lens_cpu: np.ndarray  # [B] int32: prefix + new tokens
+    input_ids_cpu: np.ndarray  # [N] int64
+    positions_cpu: np.ndarray  # [N] int64
+    out_cache_loc_cpu: np.ndarray  # [N] int64
     # device tensors
     qo_indptr: torch.Tensor  # [B+1] int32
     kv_indptr: torch.Tensor  # [B+1] int32
@@ -68,6 +71,8 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     supports_cuda_graph = False  # True: has init_cuda_graph_state / plan_cuda_graph
+    # True: has init_extend_graph_state / plan_extend_graph (graphs of prefill/mixed batches)
+    supports_extend_graph = False
 
     def __init__(
         self,

@@ -13,7 +13,10 @@ pool's: per layer K and V of [num_pages, page_size, kv_heads, head_dim]):
   KV head serves >= 4 query heads, as for Llama-3-8B, where they are faster);
 - CUDA graphs (cuda_graph.py) get one decode wrapper per captured batch size, built with
   `use_cuda_graph=True` over fixed index buffers shared by all sizes; `plan_cuda_graph` refills
-  those buffers before each replay.
+  those buffers before each replay;
+- graphs of small prefill/mixed batches (`ExtendGraphRunner`) get one prefill wrapper per
+  captured (requests, tokens) shape, in CUDA-graph mode (fixed batch size and row count, the
+  schedule written into the wrapper's own workspace by `plan_extend_graph`).
 
 New K/V are written with the Triton kernel `gpu_ops.store_kv` (one launch for K and V).
 """
@@ -41,6 +44,10 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
+    supports_extend_graph = True
+    # FlashInfer implementation of the graphed prefill wrappers (FA3 on Hopper: no split-KV pass
+    # whose presence could differ between capture and replay)
+    extend_graph_backend = "auto"
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
@@ -61,6 +68,11 @@ class FlashInferBackend(AttentionBackend):
         self._graph_kv_indptr: torch.Tensor | None = None
         self._graph_kv_indices: torch.Tensor | None = None
         self._graph_kv_last_page_len: torch.Tensor | None = None
+        # graphs of prefill/mixed batches: one prefill wrapper per (requests, tokens) shape
+        self._extend_wrappers: dict[
+            tuple[int, int], flashinfer.BatchPrefillWithPagedKVCacheWrapper
+        ] = {}
+        self._extend_bufs: dict[str, torch.Tensor] = {}
 
     def bind_pool(self, kv_pool: KVPool) -> None:
         if kv_pool.dtype not in (torch.float16, torch.bfloat16):
@@ -162,4 +174,80 @@ class FlashInferBackend(AttentionBackend):
         self._plan_decode(
             wrapper, torch.from_numpy(kv_indptr), kv_indices, torch.from_numpy(kv_last_page_len)
         )
+        self._out_cache_loc = out_cache_loc
+
+    # ------------------------------------------------------------------------------------------
+    # CUDA graphs of prefill / mixed batches
+
+    def init_extend_graph_state(self, max_reqs: int, max_pages: int) -> None:
+        """Index buffers every graphed prefill wrapper reads (each takes its shape's prefix)."""
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._extend_bufs = {
+            "qo_indptr": torch.zeros(max_reqs + 1, **i32),
+            "kv_indptr": torch.zeros(max_reqs + 1, **i32),
+            "kv_indices": torch.zeros(max_pages, **i32),
+            "last_page_len": torch.ones(max_reqs, **i32),
+        }
+
+    # a wrapper's own scratch: plan() fills it, run() (the graph) reads it. One wrapper is planned
+    # and replayed at a time, and each step ends with a sync, so every graphed wrapper can use
+    # the first one's: ~80 MB each otherwise (FlashInfer 0.5.3 sizes them for 16M KV entries)
+    _SCRATCH = (
+        "_int_workspace_buffer",
+        "_pin_memory_int_workspace_buffer",
+        "_kv_lens_buffer",
+        "_vector_sparse_indices_buffer",
+        "_vector_sparse_indptr_buffer",
+    )
+
+    def _share_scratch(self, wrapper) -> None:
+        first = next(iter(self._extend_wrappers.values()), None)
+        if first is not None:
+            for name in self._SCRATCH:
+                if getattr(wrapper, name, None) is not None:
+                    setattr(wrapper, name, getattr(first, name))
+
+    def plan_extend_graph(
+        self,
+        qo_indptr: np.ndarray,
+        kv_indptr: np.ndarray,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: np.ndarray,
+        out_cache_loc: torch.Tensor,
+    ) -> None:
+        """Plan the wrapper of shape (len(qo_indptr) - 1 requests, qo_indptr[-1] tokens): host
+        arrays already padded to that shape, page ids on the device. The first plan of a shape
+        (at capture) fixes its row count; later plans must match it exactly."""
+        bs, tokens = len(qo_indptr) - 1, int(qo_indptr[-1])
+        wrapper = self._extend_wrappers.get((bs, tokens))
+        if wrapper is None:
+            b = self._extend_bufs
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=b["qo_indptr"][: bs + 1],
+                paged_kv_indptr_buf=b["kv_indptr"][: bs + 1],
+                paged_kv_indices_buf=b["kv_indices"],
+                paged_kv_last_page_len_buf=b["last_page_len"][:bs],
+                backend=self.extend_graph_backend,
+            )
+            self._share_scratch(wrapper)
+            self._extend_wrappers[(bs, tokens)] = wrapper
+        wrapper.plan(
+            torch.from_numpy(qo_indptr),
+            torch.from_numpy(kv_indptr),
+            kv_indices,
+            torch.from_numpy(kv_last_page_len),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.kv_dtype,
+            kv_data_type=self.kv_dtype,
+            disable_split_kv=True,  # FA2: the same kernels at every replay
+        )
+        self._active = wrapper
         self._out_cache_loc = out_cache_loc
