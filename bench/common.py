@@ -113,6 +113,36 @@ class RequestResult:
     error: str | None = None
 
 
+class LoopLag:
+    """How late the client's own event loop wakes up (a task that sleeps `period_s` in a loop).
+
+    A busy client delays the requests it sends and the tokens it sees, which a benchmark would
+    report as server latency; this says how much of that there was."""
+
+    def __init__(self, period_s: float = 0.005) -> None:
+        self.period_s = period_s
+        self.lags_s: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.period_s)
+            self.lags_s.append(time.perf_counter() - t - self.period_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> dict:
+        if self._task is not None:
+            self._task.cancel()
+        lags = [x * 1e3 for x in self.lags_s]
+        return {
+            "client_loop_lag_p50_ms": percentile(lags, 50),
+            "client_loop_lag_p99_ms": percentile(lags, 99),
+        }
+
+
 def summarize(results: Sequence[RequestResult], duration_s: float) -> dict:
     """The metrics every benchmark reports for a set of requests."""
     ok = [r for r in results if r.error is None]

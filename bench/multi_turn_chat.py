@@ -146,8 +146,9 @@ async def run_trace(
     opts: argparse.Namespace,
     label: str,
     replay: dict[tuple[int, int], list[int] | str] | None = None,
-) -> tuple[list[Turn], float]:
-    """All clients' conversations against ``url``; the turns in issue order and the wall time.
+) -> tuple[list[Turn], float, dict]:
+    """All clients' conversations against ``url``; the turns in issue order, the wall time and
+    the client's event-loop lag (common.LoopLag).
     ``replay`` ((client, round) -> answer) makes the conversations use those answers instead of
     the ones the server gives, so a second run sends the very same prompts."""
     sem = asyncio.Semaphore(opts.max_inflight)
@@ -183,12 +184,14 @@ async def run_trace(
                 return  # its later prompts would need this answer
             answers.append(answer)
 
+    lag = common.LoopLag()
+    lag.start()
     async with common.make_client(opts.api_key, opts.max_inflight + 4) as http:
         await asyncio.gather(*(client_loop(http, c) for c in range(trace.clients)))
     duration = max((t.result.end_s for t in turns), default=0.0)
     bar.close()
     turns.sort(key=lambda t: t.issue_index)
-    return turns, duration
+    return turns, duration, lag.stop()
 
 
 def optimal_per_turn(turns: Sequence[Turn], page_size: int, tokenizer=None) -> list[int] | None:
@@ -301,10 +304,10 @@ def run(opts: argparse.Namespace) -> dict:
                 "max_total_tokens": info.get("max_total_tokens"),
                 "disable_radix_cache": info.get("disable_radix_cache"),
             }
-            turns, duration = asyncio.run(run_trace(url, trace, opts, target.label, replay))
+            turns, duration, lag = asyncio.run(run_trace(url, trace, opts, target.label, replay))
             tokenizer = load_tokenizer(info) if opts.text else None
             optimal = optimal_per_turn(turns, page_size, tokenizer)
-            sections[target.label] = section(turns, duration, opts.rounds, optimal)
+            sections[target.label] = section(turns, duration, opts.rounds, optimal) | lag
             if replay is None:
                 replay = {(t.client, t.round): t.answer for t in turns if t.result.error is None}
     on, off = sections["cache_on"], sections.get("cache_off")
@@ -348,6 +351,7 @@ def print_table(result: dict) -> None:
         ("hit rate", "hit_rate", 1, 3),
         ("optimal hit rate", "optimal_hit_rate", 1, 3),
         ("errors", "errors", 1, 0),
+        ("client lag p99 ms", "client_loop_lag_p99_ms", 1, 1),
     ]
     cols = ["cache on"] + (["cache off", "off / on"] if off else [])
     print()

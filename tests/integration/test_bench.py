@@ -101,6 +101,8 @@ def test_multi_turn_chat_cache_on_and_off(tmp_path):
     on, off = result["cache_on"], result["cache_off"]
     check_section(on, 6, rounds=2)
     check_section(off, 6, rounds=2)
+    for sec in (on, off):  # the client's own event-loop lag is reported beside the latencies
+        assert 0 <= sec["client_loop_lag_p50_ms"] <= sec["client_loop_lag_p99_ms"]
     # every answer is exactly --answer-tokens long (EOS ignored)
     assert on["output_tokens"] == off["output_tokens"] == 6 * 8
     # the same prompts went to both servers
