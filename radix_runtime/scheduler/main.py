@@ -100,6 +100,7 @@ class SchedulerProcess:
     def handle(self, msg) -> None:
         sched = self.scheduler
         if isinstance(msg, m.GenerateReq):
+            logger.debug("request %s arrived: %d prompt tokens", msg.rid, len(msg.input_ids) // 4)
             sched.add_request(msg)
         elif isinstance(msg, m.AbortReq):
             sched.abort(msg.rid)
@@ -123,6 +124,7 @@ class SchedulerProcess:
             self.handle(self._decode(frame, "tokenizer"))
 
     def run_step(self, batch: m.ForwardBatch, plan) -> None:
+        t0 = time.perf_counter()
         self.to_worker.send(m.encode(batch), copy=False)
         deadline = time.monotonic() + self.args.watchdog_timeout
         while True:
@@ -137,8 +139,24 @@ class SchedulerProcess:
                 raise WorkerLost(message)
             msg = self._recv_worker(timeout_ms=int(min(remaining, 1.0) * 1000) + 1)
             if isinstance(msg, m.ForwardResult) and msg.step == batch.step:
+                if logger.isEnabledFor(logging.DEBUG):
+                    self._log_step(batch, plan, msg, time.perf_counter() - t0)
                 self.scheduler.process_result(plan, msg)
                 return
+
+    def _log_step(
+        self, batch: m.ForwardBatch, plan, result: m.ForwardResult, wall_s: float
+    ) -> None:
+        """One line per step (--log-level debug): its shape, the worker's and the round trip's
+        time, and the requests whose first token it produced."""
+        fills = [p for p in plan if not p.req.output_ids or p.num_tokens > 1]
+        firsts = [p.req.rid for p in fills if p.sample]
+        logger.debug(
+            "step %d: %d prefill rows (%d tokens), %d decode rows; worker %.2f ms, step %.2f ms; "
+            "%d waiting; first tokens for %s",
+            batch.step, len(fills), sum(p.num_tokens for p in fills), len(plan) - len(fills),
+            result.forward_s * 1e3, wall_s * 1e3, len(self.scheduler.waiting), firsts,
+        )  # fmt: skip
 
     # -- the loop --------------------------------------------------------------------------
 

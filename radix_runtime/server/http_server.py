@@ -306,6 +306,8 @@ class _Api:
         except BaseException:
             run.close()
             raise
+        if first is not None and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s: first increment to HTTP", first[0].rid)
         return _SSEResponse(
             self._events(run, first, renderer),
             on_close=run.close,
@@ -470,6 +472,7 @@ class _Api:
     # --- native
 
     async def generate(self, request: Request) -> Response:
+        logger.debug("HTTP /generate in")
         req: P.NativeGenerateRequest = await self.decode(request, P.NativeGenerateRequest)
         inputs, renderer = self.native_inputs(req)
         return await self.respond(request, inputs, renderer, req.stream)

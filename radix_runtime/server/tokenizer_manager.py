@@ -171,6 +171,7 @@ class TokenizerManager:
             )
         state = _ReqState(inp)
         self.states[rid] = state
+        logger.debug("request %s: %d prompt tokens to the scheduler", rid, len(inp.input_ids))
         try:
             await self._send(
                 m.GenerateReq(
