@@ -2,17 +2,24 @@
 //
 // Token and page arrays cross the boundary as int32 numpy buffers: a C-contiguous int32 array is
 // read in place, anything else (a list, int64 ids) is converted once, like
-// np.asarray(x, dtype=np.int32). Node handles are the C++ nodes themselves (shared_ptr holders):
-// pybind11 returns the same Python object for a node while one is alive, so `m.node is r.node`
-// and the scheduler's id()-keyed walks work as with Python nodes.
-// The wrapper with the RadixCache interface is radix_runtime/scheduler/radix_cache_cpp.py.
+// np.asarray(x, dtype=np.int32). The wrapper with the RadixCache interface is
+// radix_runtime/scheduler/radix_cache_cpp.py.
 //
-// NOTE: a match costs about a microsecond of fixed overhead, so the calls below avoid
-// pybind11's generic array conversion and namedtuple construction through Python code.
+// NOTE: the tree's hot calls (match_prefix, insert, lock, unlock, evict) cost about as much as
+// the C++ work behind them when they go through pybind11's generic dispatcher (overload
+// resolution, argument casters, a registered-instance lookup per returned node). So the tree
+// and its nodes are plain CPython types with METH_FASTCALL methods, written out below:
+//   - RadixTree: the tree; match_prefix / insert build their MatchResult / InsertResult
+//     namedtuples directly (tp_alloc + fill, what the namedtuple's tuple.__new__ does).
+//   - TreeNode: a handle that owns a shared_ptr to its node. The node remembers its handle
+//     (Node::py_handle, cleared when the handle dies), so a node always has ONE Python object
+//     while any exists: `m.node is r.node`, and the scheduler's id()-keyed walks work.
+// The page allocator, whose calls are not per-token work, stays a pybind11 class.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <cstring>
+#include <new>
 
 #include "page_allocator.h"
 #include "radix_tree.h"
@@ -26,6 +33,8 @@ using radix::Tree;
 using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
 namespace {
+
+PyObject* integrity_error = nullptr;  // _radix_tree.IntegrityError (an AssertionError)
 
 // ---------------------------------------------------------------------------- conversions
 
@@ -70,114 +79,499 @@ py::array new_int32_array(int64_t n, int32_t** data) {
     return py::reinterpret_steal<py::array>(arr);
 }
 
+void make_read_only(const py::array& a) {
+    py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+}
+
 // A read-only copy of `n` ids (the tree's state is never aliased).
 py::array to_array(const int32_t* src, size_t n) {
     int32_t* dst;
     py::array out = new_int32_array(static_cast<int64_t>(n), &dst);
     if (n) std::memcpy(dst, src, sizeof(int32_t) * n);
-    py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    make_read_only(out);
     return out;
 }
 
 py::array to_array(const std::vector<int32_t>& v) { return to_array(v.data(), v.size()); }
 
-py::object handle(Node* node) {
-    return node ? py::cast(node->shared_from_this()) : py::none();
+// Runs `f` (returning a new reference or nullptr) with C++ and pybind11 exceptions turned
+// into Python ones, as pybind11's dispatcher would.
+template <typename F>
+PyObject* guarded(F&& f) noexcept {
+    try {
+        return f();
+    } catch (py::error_already_set& e) {
+        e.restore();
+    } catch (py::builtin_exception& e) {
+        e.set_error();
+    } catch (const radix::IntegrityError& e) {
+        PyErr_SetString(integrity_error, e.what());
+    } catch (const std::invalid_argument& e) {
+        PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::bad_alloc&) {
+        PyErr_NoMemory();
+    } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+    return nullptr;
 }
 
-Node* checked(Node* node) {
-    if (!node) throw py::type_error("expected a TreeNode, got None");
-    return node;
+bool check_nargs(const char* name, Py_ssize_t nargs, Py_ssize_t want) {
+    if (nargs == want) return true;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd argument%s (%zd given)", name, want,
+                 want == 1 ? "" : "s", nargs);
+    return false;
 }
 
-// namedtuple_type(*items), through tuple.__new__ (what the namedtuple's Python __new__ calls).
-py::object make_namedtuple(const py::object& type, py::tuple items) {
-    py::tuple args = py::make_tuple(std::move(items));
-    PyObject* out =
-        PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(type.ptr()), args.ptr(), nullptr);
-    if (!out) throw py::error_already_set();
-    return py::reinterpret_steal<py::object>(out);
+// ------------------------------------------------------------------------- TreeNode handles
+
+struct PyNode {
+    PyObject_HEAD
+    NodePtr node;
+};
+
+PyTypeObject NodeType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// The node's one Python handle (a new reference), created on first use; None for nullptr.
+PyObject* handle(Node* node) {
+    if (!node) Py_RETURN_NONE;
+    if (node->py_handle) {
+        PyObject* h = static_cast<PyObject*>(node->py_handle);
+        Py_INCREF(h);
+        return h;
+    }
+    PyObject* h = NodeType.tp_alloc(&NodeType, 0);
+    if (!h) return nullptr;
+    new (&reinterpret_cast<PyNode*>(h)->node) NodePtr(node->shared_from_this());
+    node->py_handle = h;
+    return h;
 }
+
+void node_dealloc(PyObject* self) {
+    auto* h = reinterpret_cast<PyNode*>(self);
+    if (h->node && h->node->py_handle == self) h->node->py_handle = nullptr;
+    h->node.~NodePtr();
+    Py_TYPE(self)->tp_free(self);
+}
+
+// The node behind a TreeNode argument, or nullptr with a TypeError set.
+Node* node_arg(PyObject* o) {
+    if (Py_TYPE(o) == &NodeType) return reinterpret_cast<PyNode*>(o)->node.get();
+    PyErr_Format(PyExc_TypeError, "expected a TreeNode, got %s",
+                 o == Py_None ? "None" : Py_TYPE(o)->tp_name);
+    return nullptr;
+}
+
+Node& self_node(PyObject* self) { return *reinterpret_cast<PyNode*>(self)->node; }
+
+PyObject* node_repr(PyObject* self) {
+    return guarded([&] { return PyUnicode_FromString(self_node(self).repr().c_str()); });
+}
+
+PyObject* node_get_id(PyObject* self, void*) { return PyLong_FromLongLong(self_node(self).id); }
+PyObject* node_get_parent(PyObject* self, void*) { return handle(self_node(self).parent); }
+PyObject* node_get_last_access(PyObject* self, void*) {
+    return PyLong_FromLongLong(self_node(self).last_access);
+}
+PyObject* node_get_lock_ref(PyObject* self, void*) {
+    return PyLong_FromLongLong(self_node(self).lock_ref);
+}
+PyObject* node_get_key(PyObject* self, void*) {
+    return guarded([&] {
+        const Node& n = self_node(self);
+        return to_array(n.key(), static_cast<size_t>(n.key_len())).release().ptr();
+    });
+}
+PyObject* node_get_pages(PyObject* self, void*) {
+    return guarded([&] {
+        const Node& n = self_node(self);
+        return to_array(n.pages(), static_cast<size_t>(n.num_pages())).release().ptr();
+    });
+}
+
+// Children as the Python tree holds them: {bytes of the first token / page: node}, in
+// insertion order.
+PyObject* node_get_children(PyObject* self, void*) {
+    return guarded([&] {
+        const Node& node = self_node(self);
+        py::dict out;
+        for (Node* child : node.ordered_children()) {
+            const size_t n = std::min<size_t>(node.page_size, child->key_len());
+            py::bytes first(reinterpret_cast<const char*>(child->key()), sizeof(int32_t) * n);
+            out[first] = py::reinterpret_steal<py::object>(handle(child));
+        }
+        return out.release().ptr();
+    });
+}
+
+// Writable, like the Python node's fields, so that tests can corrupt them.
+int node_set_lock_ref(PyObject* self, PyObject* value, void*) {
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete lock_ref");
+        return -1;
+    }
+    const long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    self_node(self).lock_ref = v;
+    return 0;
+}
+
+int node_set_pages(PyObject* self, PyObject* value, void*) {
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete pages");
+        return -1;
+    }
+    PyObject* ok = guarded([&] {
+        Int32View ids(value);
+        self_node(self).set_pages(ids.data, ids.size);
+        Py_RETURN_NONE;
+    });
+    if (!ok) return -1;
+    Py_DECREF(ok);
+    return 0;
+}
+
+PyGetSetDef node_getset[] = {
+    {"id", node_get_id, nullptr, nullptr, nullptr},
+    {"parent", node_get_parent, nullptr, "None for the root and for evicted nodes", nullptr},
+    {"last_access", node_get_last_access, nullptr, nullptr, nullptr},
+    {"key", node_get_key, nullptr, "the edge's tokens (a read-only copy)", nullptr},
+    {"pages", node_get_pages, node_set_pages, "the edge's page ids (a read-only copy)", nullptr},
+    {"children", node_get_children, nullptr, "{first token / page bytes: node} (a copy)",
+     nullptr},
+    {"lock_ref", node_get_lock_ref, node_set_lock_ref, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
 
 // ------------------------------------------------------------------------------- the tree
 
-// The tree plus what its Python face needs: the result types and reusable scratch vectors.
 struct PyTree {
-    PyTree(int32_t page_size, py::object match_type, py::object insert_type)
-        : tree(page_size), match_type(std::move(match_type)), insert_type(std::move(insert_type)) {}
-    Tree tree;
-    py::object match_type;   // radix_cache.MatchResult
-    py::object insert_type;  // radix_cache.InsertResult
-    std::vector<Node*> path;
-    std::vector<int32_t> released;
+    PyObject_HEAD
+    Tree* tree;
+    PyObject* match_type;   // radix_cache.MatchResult
+    PyObject* insert_type;  // radix_cache.InsertResult
+    PyObject* allocator;    // a C++ PageAllocator that evictions free into, or nullptr
+    PageAllocator* cpp_allocator;
+    std::vector<Node*>* path;          // scratch
+    std::vector<int32_t>* released;  // scratch
 };
 
-py::object match_prefix(PyTree& self, py::handle tokens) {
-    Int32View view(tokens);
-    int64_t length = 0;
-    Node* node = self.tree.match_prefix(view.data, view.size, self.path, length);
-    int32_t* out;
-    py::array pages = new_int32_array(length / self.tree.page_size(), &out);
-    for (const Node* n : self.path) {
-        std::memcpy(out, n->pages.data(), sizeof(int32_t) * n->pages.size());
-        out += n->pages.size();
+PyTypeObject TreeType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyTree& self_tree(PyObject* self) { return *reinterpret_cast<PyTree*>(self); }
+
+int tree_init(PyObject* self, PyObject* args, PyObject* kwargs) {
+    static const char* names[] = {"page_size", "match_type", "insert_type", "allocator",
+                                  nullptr};
+    int page_size;
+    PyObject *match_type, *insert_type, *allocator = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO|O", const_cast<char**>(names),
+                                     &page_size, &match_type, &insert_type, &allocator))
+        return -1;
+    PyTree& t = self_tree(self);
+    if (t.tree) {
+        PyErr_SetString(PyExc_RuntimeError, "RadixTree.__init__ called twice");
+        return -1;
     }
-    py::detail::array_proxy(pages.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-    return make_namedtuple(self.match_type,
-                           py::make_tuple(std::move(pages), length, handle(node)));
+    for (PyObject* type : {match_type, insert_type}) {
+        if (!PyType_Check(type) ||
+            !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &PyTuple_Type)) {
+            PyErr_SetString(PyExc_TypeError, "match_type and insert_type must be tuple types");
+            return -1;
+        }
+    }
+    PageAllocator* cpp_allocator = nullptr;
+    if (allocator != Py_None) {
+        PyObject* ok = guarded([&] {
+            cpp_allocator = py::cast<PageAllocator*>(py::handle(allocator));
+            Py_RETURN_NONE;
+        });
+        if (!ok) return -1;
+        Py_DECREF(ok);
+    }
+    PyObject* ok = guarded([&] {
+        t.tree = new Tree(page_size);
+        t.path = new std::vector<Node*>();
+        t.released = new std::vector<int32_t>();
+        Py_RETURN_NONE;
+    });
+    if (!ok) return -1;
+    Py_DECREF(ok);
+    Py_INCREF(match_type);
+    Py_INCREF(insert_type);
+    t.match_type = match_type;
+    t.insert_type = insert_type;
+    if (cpp_allocator) {
+        Py_INCREF(allocator);
+        t.allocator = allocator;
+        t.cpp_allocator = cpp_allocator;
+    }
+    return 0;
 }
 
-py::object insert(PyTree& self, py::handle tokens, py::handle pages) {
-    Int32View t(tokens), p(pages);
-    int64_t prefix_len = 0;
-    Node* node = self.tree.insert(t.data, t.size, p.data, p.size, prefix_len);
-    return make_namedtuple(self.insert_type, py::make_tuple(prefix_len, handle(node)));
+void tree_dealloc(PyObject* self) {
+    PyTree& t = self_tree(self);
+    delete t.tree;  // node handles still alive keep their (detached) nodes
+    delete t.path;
+    delete t.released;
+    Py_XDECREF(t.match_type);
+    Py_XDECREF(t.insert_type);
+    Py_XDECREF(t.allocator);
+    Py_TYPE(self)->tp_free(self);
 }
 
-py::tuple evict(PyTree& self, int64_t num_pages) {
-    self.released.clear();
-    int64_t freed = self.tree.evict(num_pages, self.released);
-    return py::make_tuple(freed, to_array(self.released));
+Tree* tree_of(PyObject* self) {
+    Tree* tree = self_tree(self).tree;
+    if (!tree) PyErr_SetString(PyExc_RuntimeError, "RadixTree not initialised");
+    return tree;
 }
 
-// Evicts straight into a C++ allocator: no array crosses into Python.
-int64_t evict_into(PyTree& self, PageAllocator& allocator, int64_t num_pages) {
-    self.released.clear();
-    int64_t freed = self.tree.evict(num_pages, self.released);
-    allocator.free(self.released.data(), static_cast<int64_t>(self.released.size()));
-    return freed;
-}
-
-py::array reset(PyTree& self) {
-    self.released.clear();
-    self.tree.reset(self.released);
-    return to_array(self.released);
-}
-
-void reset_into(PyTree& self, PageAllocator& allocator) {
-    self.released.clear();
-    self.tree.reset(self.released);
-    allocator.free(self.released.data(), static_cast<int64_t>(self.released.size()));
-}
-
-py::array all_pages(const PyTree& self) {
-    std::vector<int32_t> pages;
-    for (const Node* node : self.tree.nodes())
-        pages.insert(pages.end(), node->pages.begin(), node->pages.end());
-    return to_array(pages);
-}
-
-// Children as the Python tree holds them: {bytes of the first token / page: node}, in insertion
-// order.
-py::dict children(const Node& node) {
-    py::dict out;
-    for (Node* child : node.ordered_children()) {
-        py::bytes first(reinterpret_cast<const char*>(child->key.data()),
-                        sizeof(int32_t) * std::min<size_t>(node.page_size, child->key.size()));
-        out[first] = handle(child);
+// type(*items) for a namedtuple type: what its __new__ does (tuple.__new__), without the call.
+// Steals the items' references; they must all be non-null.
+PyObject* new_namedtuple(PyObject* type, std::initializer_list<PyObject*> items) {
+    auto* tp = reinterpret_cast<PyTypeObject*>(type);
+    PyObject* out = tp->tp_alloc(tp, static_cast<Py_ssize_t>(items.size()));
+    Py_ssize_t i = 0;
+    for (PyObject* item : items) {
+        if (out)
+            PyTuple_SET_ITEM(out, i++, item);
+        else
+            Py_DECREF(item);
     }
     return out;
 }
+
+PyObject* tree_match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_nargs("match_prefix", nargs, 1)) return nullptr;
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    PyTree& t = self_tree(self);
+    return guarded([&]() -> PyObject* {
+        Int32View view(args[0]);
+        int64_t length = 0;
+        std::vector<Node*>& path = *t.path;
+        Node* node = tree->match_prefix(view.data, view.size, path, length);
+        int32_t* out;
+        py::array pages = new_int32_array(length / tree->page_size(), &out);
+        for (const Node* n : path) {
+            std::memcpy(out, n->pages(), sizeof(int32_t) * n->num_pages());
+            out += n->num_pages();
+        }
+        make_read_only(pages);
+        PyObject* len = PyLong_FromLongLong(length);
+        PyObject* h = handle(node);
+        if (!len || !h) {
+            Py_XDECREF(len);
+            Py_XDECREF(h);
+            return nullptr;
+        }
+        return new_namedtuple(t.match_type, {pages.release().ptr(), len, h});
+    });
+}
+
+PyObject* tree_insert(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_nargs("insert", nargs, 2)) return nullptr;
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    PyTree& t = self_tree(self);
+    return guarded([&]() -> PyObject* {
+        Int32View tokens(args[0]), pages(args[1]);
+        int64_t prefix_len = 0;
+        Node* node = tree->insert(tokens.data, tokens.size, pages.data, pages.size, prefix_len);
+        PyObject* len = PyLong_FromLongLong(prefix_len);
+        PyObject* h = handle(node);
+        if (!len || !h) {
+            Py_XDECREF(len);
+            Py_XDECREF(h);
+            return nullptr;
+        }
+        return new_namedtuple(t.insert_type, {len, h});
+    });
+}
+
+PyObject* tree_lock(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_nargs("lock", nargs, 1)) return nullptr;
+    Tree* tree = tree_of(self);
+    Node* node = tree ? node_arg(args[0]) : nullptr;
+    if (!node) return nullptr;
+    return guarded([&] {
+        tree->lock(node);
+        Py_RETURN_NONE;
+    });
+}
+
+PyObject* tree_unlock(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_nargs("unlock", nargs, 1)) return nullptr;
+    Tree* tree = tree_of(self);
+    Node* node = tree ? node_arg(args[0]) : nullptr;
+    if (!node) return nullptr;
+    return guarded([&] {
+        tree->unlock(node);
+        Py_RETURN_NONE;
+    });
+}
+
+bool int_arg(PyObject* o, int64_t* out) {
+    const long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) return false;
+    *out = v;
+    return true;
+}
+
+// evict(num_pages) -> (freed, pages): the caller returns the pages to its allocator.
+PyObject* tree_evict(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    int64_t num_pages;
+    if (!check_nargs("evict", nargs, 1) || !int_arg(args[0], &num_pages)) return nullptr;
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    PyTree& t = self_tree(self);
+    return guarded([&] {
+        t.released->clear();
+        const int64_t freed = tree->evict(num_pages, *t.released);
+        return py::make_tuple(freed, to_array(*t.released)).release().ptr();
+    });
+}
+
+// evict_into(num_pages) -> freed: the pages go straight back to the C++ allocator that the
+// tree was built with; no array crosses into Python.
+PyObject* tree_evict_into(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    int64_t num_pages;
+    if (!check_nargs("evict_into", nargs, 1) || !int_arg(args[0], &num_pages)) return nullptr;
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    PyTree& t = self_tree(self);
+    if (!t.cpp_allocator) {
+        PyErr_SetString(PyExc_RuntimeError, "the tree was built without a C++ allocator");
+        return nullptr;
+    }
+    return guarded([&] {
+        PageAllocator::Staged staged(*t.cpp_allocator);
+        const int64_t freed = tree->evict(num_pages, staged);
+        staged.finish();
+        return PyLong_FromLongLong(freed);
+    });
+}
+
+// reset() -> the pages to free; reset_into(): they go back to the tree's C++ allocator.
+PyObject* tree_reset(PyObject* self, PyObject*) {
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    PyTree& t = self_tree(self);
+    return guarded([&] {
+        t.released->clear();
+        tree->reset(*t.released);
+        return to_array(*t.released).release().ptr();
+    });
+}
+
+PyObject* tree_reset_into(PyObject* self, PyObject*) {
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    PyTree& t = self_tree(self);
+    if (!t.cpp_allocator) {
+        PyErr_SetString(PyExc_RuntimeError, "the tree was built without a C++ allocator");
+        return nullptr;
+    }
+    return guarded([&] {
+        t.released->clear();
+        tree->reset(*t.released);
+        t.cpp_allocator->free(t.released->data(), static_cast<int64_t>(t.released->size()));
+        Py_RETURN_NONE;
+    });
+}
+
+PyObject* tree_check_integrity(PyObject* self, PyObject* args, PyObject* kwargs) {
+    static const char* names[] = {"expect_unlocked", nullptr};
+    int expect_unlocked = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p", const_cast<char**>(names),
+                                     &expect_unlocked))
+        return nullptr;
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    return guarded([&] {
+        tree->check_integrity(expect_unlocked != 0);
+        Py_RETURN_NONE;
+    });
+}
+
+// Every cached page id, in the Python tree's node order.
+PyObject* tree_all_pages(PyObject* self, PyObject*) {
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    return guarded([&] {
+        std::vector<int32_t> pages;
+        for (const Node* node : tree->nodes())
+            pages.insert(pages.end(), node->pages(), node->pages() + node->num_pages());
+        return to_array(pages).release().ptr();
+    });
+}
+
+PyObject* tree_debug_clear_heap(PyObject* self, PyObject*) {
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    tree->debug_clear_heap();
+    Py_RETURN_NONE;
+}
+
+PyObject* tree_debug_add_evictable(PyObject* self, PyObject* arg) {
+    Tree* tree = tree_of(self);
+    int64_t n;
+    if (!tree || !int_arg(arg, &n)) return nullptr;
+    tree->debug_add_evictable(n);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef tree_methods[] = {
+    {"match_prefix", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_match_prefix)),
+     METH_FASTCALL, "match_prefix(tokens) -> match_type(pages, length, node)"},
+    {"insert", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_insert)),
+     METH_FASTCALL, "insert(tokens, pages) -> insert_type(prefix_len, node)"},
+    {"lock", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_lock)),
+     METH_FASTCALL, "lock(node)"},
+    {"unlock", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_unlock)),
+     METH_FASTCALL, "unlock(node)"},
+    {"evict", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_evict)),
+     METH_FASTCALL, "evict(num_pages) -> (freed, pages): the caller frees the pages"},
+    {"evict_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_evict_into)),
+     METH_FASTCALL, "evict_into(num_pages) -> freed, into the tree's C++ allocator"},
+    {"reset", tree_reset, METH_NOARGS, "drop every node -> the pages to free"},
+    {"reset_into", tree_reset_into, METH_NOARGS, "drop every node, freeing into the allocator"},
+    {"check_integrity",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_check_integrity)),
+     METH_VARARGS | METH_KEYWORDS, "check_integrity(expect_unlocked=False)"},
+    {"all_pages", tree_all_pages, METH_NOARGS, "every cached page id, in node order"},
+    {"_debug_clear_heap", tree_debug_clear_heap, METH_NOARGS, nullptr},
+    {"_debug_add_evictable", tree_debug_add_evictable, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+#define TREE_INT_GETTER(name, expr)                     \
+    PyObject* tree_get_##name(PyObject* self, void*) {  \
+        Tree* tree = tree_of(self);                     \
+        if (!tree) return nullptr;                      \
+        return PyLong_FromLongLong(expr);               \
+    }
+TREE_INT_GETTER(page_size, tree->page_size())
+TREE_INT_GETTER(evictable_pages, tree->evictable_pages())
+TREE_INT_GETTER(protected_pages, tree->protected_pages())
+TREE_INT_GETTER(num_nodes, tree->num_nodes())
+TREE_INT_GETTER(heap_size, static_cast<long long>(tree->heap_size()))
+#undef TREE_INT_GETTER
+
+PyObject* tree_get_root(PyObject* self, void*) {
+    Tree* tree = tree_of(self);
+    return tree ? handle(tree->root().get()) : nullptr;
+}
+
+PyGetSetDef tree_getset[] = {
+    {"page_size", tree_get_page_size, nullptr, nullptr, nullptr},
+    {"root", tree_get_root, nullptr, nullptr, nullptr},
+    {"evictable_pages", tree_get_evictable_pages, nullptr, nullptr, nullptr},
+    {"protected_pages", tree_get_protected_pages, nullptr, nullptr, nullptr},
+    {"num_nodes", tree_get_num_nodes, nullptr, nullptr, nullptr},
+    {"heap_size", tree_get_heap_size, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
 
 // ---------------------------------------------------------------------- the page allocator
 
@@ -207,61 +601,45 @@ void free_pages(PageAllocator& a, py::handle pages) {
     }
 }
 
+void add_type(py::module_& m, PyTypeObject& type, const char* name) {
+    if (PyType_Ready(&type) < 0) throw py::error_already_set();
+    Py_INCREF(&type);
+    m.attr(name) = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&type));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_radix_tree, m) {
     m.doc() = "The radix tree of KV-cache pages and the page allocator in C++ (csrc/)";
-    py::register_exception<radix::IntegrityError>(m, "IntegrityError", PyExc_AssertionError);
+    integrity_error =
+        py::register_exception<radix::IntegrityError>(m, "IntegrityError", PyExc_AssertionError)
+            .ptr();
 
-    py::class_<Node, NodePtr>(m, "TreeNode")
-        .def_property_readonly("id", [](const Node& n) { return n.id; })
-        .def_property_readonly("parent", [](const Node& n) { return handle(n.parent); })
-        .def_property_readonly("last_access", [](const Node& n) { return n.last_access; })
-        .def_property_readonly("key", [](const Node& n) { return to_array(n.key); })
-        .def_property_readonly("children", &children)
-        // Writable, like the Python node's fields, so that tests can corrupt them.
-        .def_property(
-            "lock_ref", [](const Node& n) { return n.lock_ref; },
-            [](Node& n, int64_t v) { n.lock_ref = v; })
-        .def_property(
-            "pages", [](const Node& n) { return to_array(n.pages); },
-            [](Node& n, py::handle v) {
-                Int32View ids(v);
-                n.pages.assign(ids.data, ids.data + ids.size);
-            })
-        .def("__repr__", &Node::repr);
+    NodeType.tp_name = "radix_runtime.scheduler._radix_tree.TreeNode";
+    NodeType.tp_basicsize = sizeof(PyNode);
+    NodeType.tp_flags = Py_TPFLAGS_DEFAULT;
+    NodeType.tp_doc = "A node of the C++ radix tree (handles come from the tree)";
+    NodeType.tp_dealloc = node_dealloc;
+    NodeType.tp_repr = node_repr;
+    NodeType.tp_getset = node_getset;
+    add_type(m, NodeType, "TreeNode");
 
-    py::class_<PyTree>(m, "RadixTree")
-        .def(py::init<int32_t, py::object, py::object>(), py::arg("page_size"),
-             py::arg("match_type"), py::arg("insert_type"))
-        .def_property_readonly("page_size", [](const PyTree& t) { return t.tree.page_size(); })
-        .def_property_readonly("root", [](const PyTree& t) { return t.tree.root(); })
-        .def_property_readonly("evictable_pages",
-                               [](const PyTree& t) { return t.tree.evictable_pages(); })
-        .def_property_readonly("protected_pages",
-                               [](const PyTree& t) { return t.tree.protected_pages(); })
-        .def_property_readonly("num_nodes", [](const PyTree& t) { return t.tree.num_nodes(); })
-        .def_property_readonly("heap_size", [](const PyTree& t) { return t.tree.heap_size(); })
-        .def("match_prefix", &match_prefix, py::arg("tokens"),
-             "-> match_type(pages, length, node), as RadixCache.match_prefix")
-        .def("insert", &insert, py::arg("tokens"), py::arg("pages"),
-             "-> insert_type(prefix_len, node), as RadixCache.insert")
-        .def("lock", [](PyTree& t, Node* n) { t.tree.lock(checked(n)); })
-        .def("unlock", [](PyTree& t, Node* n) { t.tree.unlock(checked(n)); })
-        .def("evict", &evict, py::arg("num_pages"),
-             "-> (freed, pages): the caller returns the pages to its allocator")
-        .def("evict_into", &evict_into, py::arg("allocator"), py::arg("num_pages"),
-             "-> freed; the pages go straight back to a C++ PageAllocator")
-        .def("reset", &reset, "drop every node -> the pages to free")
-        .def("reset_into", &reset_into, py::arg("allocator"))
-        .def("check_integrity",
-             [](const PyTree& t, bool expect_unlocked) { t.tree.check_integrity(expect_unlocked); },
-             py::arg("expect_unlocked") = false)
-        .def("all_pages", &all_pages, "every cached page id, in the Python tree's node order")
-        .def("_debug_clear_heap", [](PyTree& t) { t.tree.debug_clear_heap(); })
-        .def("_debug_add_evictable", [](PyTree& t, int64_t n) { t.tree.debug_add_evictable(n); });
+    TreeType.tp_name = "radix_runtime.scheduler._radix_tree.RadixTree";
+    TreeType.tp_basicsize = sizeof(PyTree);
+    TreeType.tp_flags = Py_TPFLAGS_DEFAULT;
+    TreeType.tp_doc =
+        "RadixTree(page_size, match_type, insert_type, allocator=None): the C++ radix tree; "
+        "`allocator`, a C++ PageAllocator, is where evict_into / reset_into free pages";
+    TreeType.tp_new = PyType_GenericNew;
+    TreeType.tp_init = tree_init;
+    TreeType.tp_dealloc = tree_dealloc;
+    TreeType.tp_methods = tree_methods;
+    TreeType.tp_getset = tree_getset;
+    add_type(m, TreeType, "RadixTree");
 
-    py::class_<PageAllocator>(m, "PageAllocator")
+    // module_local: pybind11's type registry is per process, so two builds of this extension
+    // (say, an A/B benchmark of two versions) can then be loaded side by side.
+    py::class_<PageAllocator>(m, "PageAllocator", py::module_local())
         .def(py::init<int64_t>(), py::arg("num_pages"))
         .def_property_readonly("num_pages", &PageAllocator::num_pages)
         .def_property_readonly("total_pages", &PageAllocator::total_pages)

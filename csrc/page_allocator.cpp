@@ -55,6 +55,31 @@ void PageAllocator::explain_bad_free(const std::vector<int64_t>& pages) const {
     throw std::logic_error("explain_bad_free: no error found");
 }
 
+void PageAllocator::unstage(int64_t staged) {
+    for (int64_t j = 0; j < staged; ++j) is_free_[stack_[top_ + j]] = 0;
+}
+
+void PageAllocator::Staged::put(const int32_t* pages, int64_t n) {
+    if (!bad_ && a_.stage(pages, n, staged_)) {
+        staged_ += n;
+        return;
+    }
+    if (!bad_) {  // keep every page for the error: the staged ones are above the top
+        bad_ = true;
+        const int32_t* staged = a_.stack_.data() + a_.top_;
+        failed_.assign(staged, staged + staged_);
+        a_.unstage(staged_);
+        staged_ = 0;
+    }
+    failed_.insert(failed_.end(), pages, pages + n);
+}
+
+void PageAllocator::Staged::finish() {
+    if (bad_) a_.explain_bad_free(failed_);
+    a_.top_ += staged_;
+    staged_ = 0;
+}
+
 void PageAllocator::check_integrity() const {
     if (top_ < 0 || top_ > total_pages())
         throw IntegrityError("free count " + std::to_string(top_) + " out of range");

@@ -13,34 +13,112 @@ void fail(const std::string& message) { throw IntegrityError(message); }
 
 }  // namespace
 
-size_t PageHash::operator()(const PageKey& k) const noexcept {
+uint64_t hash_page(const int32_t* tokens, int32_t page_size) noexcept {
     uint64_t h = 0x9E3779B97F4A7C15ull;
     for (int32_t i = 0; i < page_size; ++i) {
-        h ^= static_cast<uint32_t>(k.tokens[i]);
+        h ^= static_cast<uint32_t>(tokens[i]);
         h *= 0xFF51AFD7ED558CCDull;
         h ^= h >> 32;
     }
-    return static_cast<size_t>(h);
+    return h;
 }
 
-bool PageEq::operator()(const PageKey& a, const PageKey& b) const noexcept {
-    return std::memcmp(a.tokens, b.tokens, sizeof(int32_t) * page_size) == 0;
+// -------------------------------------------------------------------------------- children
+
+Node* Children::find(const int32_t* first, uint64_t hash, int32_t page_size) const {
+    const size_t bytes = sizeof(int32_t) * page_size;
+    if (!map_) {
+        for (const Entry& e : small_)
+            if (e.hash == hash && std::memcmp(e.node->key(), first, bytes) == 0)
+                return e.node.get();
+        return nullptr;
+    }
+    auto [lo, hi] = map_->equal_range(hash);
+    for (; lo != hi; ++lo)
+        if (std::memcmp(lo->second->key(), first, bytes) == 0) return lo->second.get();
+    return nullptr;
 }
 
-Node::Node(int32_t page_size_, int64_t id_)
-    : children(0, PageHash{page_size_}, PageEq{page_size_}), id(id_), page_size(page_size_) {}
+void Children::add(uint64_t hash, NodePtr child) {
+    child->first_hash = hash;
+    if (!map_ && small_.size() < kSmall) {
+        small_.push_back({hash, std::move(child)});
+        return;
+    }
+    if (!map_) {
+        map_ = std::make_unique<std::unordered_multimap<uint64_t, NodePtr>>();
+        for (Entry& e : small_) map_->emplace(e.hash, std::move(e.node));
+        small_.clear();
+        small_.shrink_to_fit();
+    }
+    map_->emplace(hash, std::move(child));
+}
+
+NodePtr Children::take(const Node* child) {
+    NodePtr out;
+    if (!map_) {
+        for (size_t i = 0; i < small_.size(); ++i) {
+            if (small_[i].node.get() != child) continue;
+            out = std::move(small_[i].node);
+            small_.erase(small_.begin() + static_cast<std::ptrdiff_t>(i));
+            return out;
+        }
+        return out;
+    }
+    auto [lo, hi] = map_->equal_range(child->first_hash);
+    for (; lo != hi; ++lo) {
+        if (lo->second.get() != child) continue;
+        out = std::move(lo->second);
+        map_->erase(lo);
+        return out;
+    }
+    return out;
+}
+
+// ------------------------------------------------------------------------------------ nodes
+
+Node::Node(int32_t page_size_, int64_t id_) : id(id_), page_size(page_size_) {}
+
+Node::~Node() { std::free(block_); }
+
+void Node::set_edge(const int32_t* key, int64_t key_len, const int32_t* pages,
+                    int64_t num_pages) {
+    const size_t n = static_cast<size_t>(key_len + num_pages);
+    auto* block = static_cast<int32_t*>(std::malloc(sizeof(int32_t) * (n ? n : 1)));
+    if (!block) throw std::bad_alloc();
+    if (key_len) std::memcpy(block, key, sizeof(int32_t) * key_len);
+    if (num_pages) std::memcpy(block + key_len, pages, sizeof(int32_t) * num_pages);
+    std::free(block_);
+    block_ = block;
+    key_len_ = key_len;
+    num_pages_ = num_pages;
+}
+
+void Node::set_pages(const int32_t* pages, int64_t num_pages) {
+    std::vector<int32_t> key(block_, block_ + key_len_);
+    set_edge(key.data(), key_len_, pages, num_pages);
+}
+
+void Node::drop_front(int64_t tokens, int64_t pages) {
+    // Both moves go to lower addresses, so they never overwrite what is still to be moved.
+    std::memmove(block_, block_ + tokens, sizeof(int32_t) * (key_len_ - tokens));
+    std::memmove(block_ + key_len_ - tokens, block_ + key_len_ + pages,
+                 sizeof(int32_t) * (num_pages_ - pages));
+    key_len_ -= tokens;
+    num_pages_ -= pages;
+}
 
 std::vector<Node*> Node::ordered_children() const {
     std::vector<Node*> out;
     out.reserve(children.size());
-    for (const auto& kv : children) out.push_back(kv.second.get());
+    children.for_each([&](Node* child) { out.push_back(child); });
     std::sort(out.begin(), out.end(), [](Node* a, Node* b) { return a->order < b->order; });
     return out;
 }
 
 std::string Node::repr() const {
-    return "TreeNode(id=" + std::to_string(id) + ", tokens=" + std::to_string(key.size()) +
-           ", pages=" + std::to_string(pages.size()) + ", lock_ref=" + std::to_string(lock_ref) +
+    return "TreeNode(id=" + std::to_string(id) + ", tokens=" + std::to_string(key_len_) +
+           ", pages=" + std::to_string(num_pages_) + ", lock_ref=" + std::to_string(lock_ref) +
            ", last_access=" + std::to_string(last_access) + ")";
 }
 
@@ -71,10 +149,10 @@ void Tree::dismantle() {
     while (!stack.empty()) {
         Node* node = stack.back();
         stack.pop_back();
-        for (auto& kv : node->children) {
-            stack.push_back(kv.second.get());
-            all.push_back(kv.second);
-        }
+        node->children.for_each([&](Node* child) {
+            stack.push_back(child);
+            all.push_back(child->shared_from_this());
+        });
     }
     for (auto& node : all) {
         node->parent = nullptr;
@@ -104,15 +182,15 @@ Node* Tree::insert(const int32_t* tokens, int64_t n, const int32_t* pages, int64
     Node* node = walk(tokens, want, nullptr, prefix_len);
     if (prefix_len < want * ps) {
         NodePtr leaf = new_node();
-        leaf->key.assign(tokens + prefix_len, tokens + want * ps);
-        leaf->pages.assign(pages + prefix_len / ps, pages + want);
+        leaf->set_edge(tokens + prefix_len, want * ps - prefix_len, pages + prefix_len / ps,
+                       want - prefix_len / ps);
         leaf->parent = node;
         leaf->last_access = clock_;
         leaf->order = node->next_child_order++;
         Node* raw = leaf.get();
-        node->children.emplace(PageKey{raw->key.data()}, std::move(leaf));
+        node->children.add(hash_of(raw->key()), std::move(leaf));
         ++num_nodes_;
-        evictable_ += static_cast<int64_t>(raw->pages.size());
+        evictable_ += raw->num_pages();
         node = raw;
     }
     push_if_evictable_leaf(node);
@@ -128,17 +206,16 @@ Node* Tree::walk(const int32_t* tokens, int64_t num_pages, std::vector<Node*>* p
     const int64_t end = num_pages * ps;
     int64_t off = 0;
     while (off < end) {
-        auto it = node->children.find(PageKey{tokens + off});
-        if (it == node->children.end()) break;
-        Node* child = it->second.get();
-        const int64_t key_len = static_cast<int64_t>(child->key.size());
+        Node* child = node->children.find(tokens + off, hash_of(tokens + off), page_size_);
+        if (!child) break;
+        const int32_t* key = child->key();
+        const int64_t key_len = child->key_len();
         const int64_t m = std::min(key_len, end - off);
         int64_t matched;
-        if (std::memcmp(child->key.data(), tokens + off, sizeof(int32_t) * m) == 0) {
+        if (std::memcmp(key, tokens + off, sizeof(int32_t) * m) == 0) {
             matched = m;  // the common case: the whole edge (or the whole rest of the query)
         } else {
             // The child key guarantees that the first page matches, so `first` >= page_size.
-            const int32_t* key = child->key.data();
             const int32_t* query = tokens + off;
             int64_t first = 0;
             while (key[first] == query[first]) ++first;
@@ -158,27 +235,24 @@ Node* Tree::walk(const int32_t* tokens, int64_t num_pages, std::vector<Node*>* p
 Node* Tree::split(Node* child, int64_t at) {
     const int64_t ps = page_size_;
     Node* parent = child->parent;
-    auto it = parent->children.find(PageKey{child->key.data()});
-    NodePtr lower = std::move(it->second);
-    parent->children.erase(it);
+    const uint64_t hash = child->first_hash;  // the upper part's first page too
+    NodePtr lower = parent->children.take(child);
 
     NodePtr upper = new_node();
-    upper->key.assign(child->key.begin(), child->key.begin() + at);
-    upper->pages.assign(child->pages.begin(), child->pages.begin() + at / ps);
+    upper->set_edge(child->key(), at, child->pages(), at / ps);
     upper->parent = parent;
     upper->lock_ref = child->lock_ref;
     upper->last_access = child->last_access;
     upper->order = child->order;  // the upper part takes the child's place among its siblings
 
     // The lower part keeps its identity (handles, lock counts and heap entries stay valid).
-    child->key.erase(child->key.begin(), child->key.begin() + at);
-    child->pages.erase(child->pages.begin(), child->pages.begin() + at / ps);
+    child->drop_front(at, at / ps);
     child->parent = upper.get();
     child->order = upper->next_child_order++;
-    upper->children.emplace(PageKey{child->key.data()}, std::move(lower));
+    upper->children.add(hash_of(child->key()), std::move(lower));
 
     Node* raw = upper.get();
-    parent->children.emplace(PageKey{raw->key.data()}, std::move(upper));
+    parent->children.add(hash, std::move(upper));
     ++num_nodes_;
     return raw;
 }
@@ -192,7 +266,7 @@ void Tree::lock(Node* node) {
         throw std::invalid_argument("lock of an evicted node " + node->repr());
     for (; node != root; node = node->parent) {
         if (node->lock_ref == 0) {
-            const int64_t size = static_cast<int64_t>(node->pages.size());
+            const int64_t size = node->num_pages();
             evictable_ -= size;
             protected_ += size;
         }
@@ -209,7 +283,7 @@ void Tree::unlock(Node* node) {
     Node* start = node;
     for (; node != root; node = node->parent) {
         if (--node->lock_ref == 0) {
-            const int64_t size = static_cast<int64_t>(node->pages.size());
+            const int64_t size = node->num_pages();
             protected_ -= size;
             evictable_ += size;
         }
@@ -248,6 +322,17 @@ void Tree::compact_heap() {
 }
 
 int64_t Tree::evict(int64_t num_pages, std::vector<int32_t>& released) {
+    struct Append final : PageSink {
+        std::vector<int32_t>& out;
+        explicit Append(std::vector<int32_t>& o) : out(o) {}
+        void put(const int32_t* pages, int64_t n) override {
+            out.insert(out.end(), pages, pages + n);
+        }
+    } append(released);
+    return evict(num_pages, append);
+}
+
+int64_t Tree::evict(int64_t num_pages, PageSink& sink) {
     int64_t freed = 0;
     while (freed < num_pages && !heap_.empty()) {
         std::pop_heap(heap_.begin(), heap_.end(), Later{});
@@ -257,13 +342,13 @@ int64_t Tree::evict(int64_t num_pages, std::vector<int32_t>& released) {
         if (entry.time == node->heap_time) node->heap_time = -1;
         if (!entry_is_live(entry)) continue;
         Node* parent = node->parent;
-        parent->children.erase(PageKey{node->key.data()});  // `entry` keeps the node alive
+        parent->children.take(node);  // `entry` keeps the node alive
         node->parent = nullptr;
         --num_nodes_;
-        const int64_t size = static_cast<int64_t>(node->pages.size());
+        const int64_t size = node->num_pages();
         evictable_ -= size;
         freed += size;
-        released.insert(released.end(), node->pages.begin(), node->pages.end());
+        sink.put(node->pages(), size);
         push_if_evictable_leaf(parent);
     }
     return freed;
@@ -271,10 +356,10 @@ int64_t Tree::evict(int64_t num_pages, std::vector<int32_t>& released) {
 
 void Tree::reset(std::vector<int32_t>& released) {
     bool locked = protected_ != 0;
-    for (const auto& kv : root_->children) locked = locked || kv.second->lock_ref != 0;
+    root_->children.for_each([&](Node* child) { locked = locked || child->lock_ref != 0; });
     if (locked) throw std::runtime_error("reset of the radix cache while nodes are locked");
     for (Node* node : nodes())
-        released.insert(released.end(), node->pages.begin(), node->pages.end());
+        released.insert(released.end(), node->pages(), node->pages() + node->num_pages());
     dismantle();
     new_tree();
 }
@@ -296,7 +381,7 @@ std::vector<Node*> Tree::nodes() const {
 void Tree::check_integrity(bool expect_unlocked) const {
     const int64_t ps = page_size_;
     const Node* root = root_.get();
-    if (root->parent || !root->key.empty() || !root->pages.empty()) fail("bad root");
+    if (root->parent || root->key_len() || root->num_pages()) fail("bad root");
     if (root->lock_ref != 0) fail("root lock_ref " + std::to_string(root->lock_ref) + " != 0");
     const std::vector<Node*> all = nodes();
     if (static_cast<int64_t>(all.size()) != num_nodes_)
@@ -306,28 +391,27 @@ void Tree::check_integrity(bool expect_unlocked) const {
     for (const Node* node : all) {
         const Node* parent = node->parent;
         const std::string name = node->repr();
-        const int64_t key_len = static_cast<int64_t>(node->key.size());
+        const int64_t key_len = node->key_len();
         if (!parent) fail(name + " in the tree has no parent");
         if (key_len == 0) fail("empty non-root node " + name);
         if (key_len % ps) fail(name + " key is not page-aligned");
-        if (static_cast<int64_t>(node->pages.size()) != key_len / ps)
-            fail(name + " pages/key length mismatch");
-        auto it = parent->children.find(PageKey{node->key.data()});
-        if (it == parent->children.end() || it->second.get() != node)
+        if (node->num_pages() != key_len / ps) fail(name + " pages/key length mismatch");
+        if (node->first_hash != hash_of(node->key()) ||
+            parent->children.find(node->key(), node->first_hash, page_size_) != node)
             fail(name + " is not under its first " + (ps == 1 ? "token" : "page") +
                  " in its parent");
         if (node->lock_ref < 0) fail(name + " negative lock_ref");
         if (node->last_access > parent->last_access) fail(name + " accessed after its parent");
         int64_t child_locks = 0;
-        for (const auto& kv : node->children) child_locks += kv.second->lock_ref;
+        node->children.for_each([&](Node* child) { child_locks += child->lock_ref; });
         if (node->lock_ref < child_locks)
             fail(name + " lock_ref " + std::to_string(node->lock_ref) + " < its children's " +
                  std::to_string(child_locks));
         if (expect_unlocked && node->lock_ref) fail(name + " still locked");
         if (node->lock_ref) {
-            protected_pages += static_cast<int64_t>(node->pages.size());
+            protected_pages += node->num_pages();
         } else {
-            evictable += static_cast<int64_t>(node->pages.size());
+            evictable += node->num_pages();
             if (node->children.empty()) leaves.push_back(node);
         }
     }

@@ -23,35 +23,90 @@ struct IntegrityError : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// A child's key in its parent's map: the first page (page_size tokens) of the child's edge.
-// It points into the child's own `key`, so the map entry is re-keyed whenever that key changes.
-struct PageKey {
-    const int32_t* tokens;
-};
-
-struct PageHash {
-    int32_t page_size;
-    size_t operator()(const PageKey& k) const noexcept;
-};
-
-struct PageEq {
-    int32_t page_size;
-    bool operator()(const PageKey& a, const PageKey& b) const noexcept;
-};
-
 struct Node;
 using NodePtr = std::shared_ptr<Node>;
-using ChildMap = std::unordered_map<PageKey, NodePtr, PageHash, PageEq>;
+
+// Where an eviction puts the pages of each node it drops, in eviction order.
+struct PageSink {
+    virtual void put(const int32_t* pages, int64_t n) = 0;
+
+protected:
+    ~PageSink() = default;
+};
+
+// The hash of one page (page_size tokens): children are found by their first page.
+uint64_t hash_page(const int32_t* tokens, int32_t page_size) noexcept;
+
+// A node's children, found by their first page. Few children (the common case: a conversation's
+// turns form chains) live in a flat array that a lookup scans by hash: one cache line, not a
+// hash table's bucket array plus a list node. Past kSmall children a hash multimap takes over.
+// Hashes are compared first and the first page's tokens after, so collisions are harmless.
+class Children {
+public:
+    static constexpr size_t kSmall = 8;
+
+    // The child whose key starts with the page `first` (whose hash is `hash`), or nullptr.
+    Node* find(const int32_t* first, uint64_t hash, int32_t page_size) const;
+    // Files `child` under `hash`, the hash of its first page (kept in child->first_hash).
+    void add(uint64_t hash, NodePtr child);
+    // Removes `child` and returns the owning pointer.
+    NodePtr take(const Node* child);
+    size_t size() const { return map_ ? map_->size() : small_.size(); }
+    bool empty() const { return size() == 0; }
+    void clear() {
+        small_.clear();
+        map_.reset();
+    }
+    template <typename F>
+    void for_each(F&& f) const {  // in no particular order
+        if (map_)
+            for (const auto& kv : *map_) f(kv.second.get());
+        else
+            for (const auto& e : small_) f(e.node.get());
+    }
+
+private:
+    struct Entry {
+        uint64_t hash;
+        NodePtr node;
+    };
+    std::vector<Entry> small_;
+    std::unique_ptr<std::unordered_multimap<uint64_t, NodePtr>> map_;
+};
 
 // NOTE: nodes are shared_ptrs so that a handle Python still holds (a request's locked node, an
 // evicted node in a stale heap entry) stays valid memory after the tree lets go of it; an
 // evicted node is recognised by parent == nullptr, exactly as in the Python tree.
 struct Node : std::enable_shared_from_this<Node> {
-    Node(int32_t page_size, int64_t id);
+private:
+    // First, with `children`: the fields that a walk reads, on the node's first cache line.
+    int32_t* block_ = nullptr;
+    int64_t key_len_ = 0;
+    int64_t num_pages_ = 0;
 
-    std::vector<int32_t> key;    // the edge's tokens, a multiple of page_size
-    std::vector<int32_t> pages;  // key.size() / page_size page ids
-    ChildMap children;
+public:
+    // The hash of the first page of the key, as filed in the parent's children (so that an
+    // eviction unlinks a node without reading its tokens).
+    uint64_t first_hash = 0;
+
+    Node(int32_t page_size, int64_t id);
+    ~Node();
+    Node(const Node&) = delete;
+    Node& operator=(const Node&) = delete;
+
+    // The edge: its tokens (a multiple of page_size) and their page ids, in ONE heap block
+    // (tokens, then pages), so that a walk down the tree touches one allocation per edge and
+    // a match's page copy streams on from the compared tokens.
+    const int32_t* key() const { return block_; }
+    int64_t key_len() const { return key_len_; }
+    const int32_t* pages() const { return block_ + key_len_; }
+    int64_t num_pages() const { return num_pages_; }
+    void set_edge(const int32_t* key, int64_t key_len, const int32_t* pages, int64_t num_pages);
+    void set_pages(const int32_t* pages, int64_t num_pages);  // keeps the key (tests corrupt it)
+    // Drops the first `tokens` tokens and `pages` pages (the lower half of a split), in place.
+    void drop_front(int64_t tokens, int64_t pages);
+
+    Children children;
     Node* parent = nullptr;  // nullptr for the root and for evicted nodes
     int64_t lock_ref = 0;
     int64_t last_access = 0;  // LRU stamp; a parent's is always >= its children's
@@ -62,6 +117,9 @@ struct Node : std::enable_shared_from_this<Node> {
     uint64_t order = 0;
     uint64_t next_child_order = 0;
     int32_t page_size;
+    // The bindings' Python handle of this node while one exists (a borrowed pointer that the
+    // handle clears when it dies), so that a node always has the same Python object.
+    void* py_handle = nullptr;
 
     std::vector<Node*> ordered_children() const;
     std::string repr() const;
@@ -86,6 +144,8 @@ public:
     void unlock(Node* node);
     // Evicts LRU unlocked leaves until `num_pages` are freed; appends their pages to `released`.
     int64_t evict(int64_t num_pages, std::vector<int32_t>& released);
+    // The same, handing each evicted node's pages to `sink` (e.g. straight to an allocator).
+    int64_t evict(int64_t num_pages, PageSink& sink);
     // Drops every node; appends all cached pages to `released` (in the Python tree's order).
     void reset(std::vector<int32_t>& released);
     // Tree structure, counters and heap (the allocator side is checked by the Python wrapper).
@@ -122,6 +182,7 @@ private:
     void dismantle();
     Node* walk(const int32_t* tokens, int64_t num_pages, std::vector<Node*>* path,
                int64_t& length);
+    uint64_t hash_of(const int32_t* page) const { return hash_page(page, page_size_); }
     Node* split(Node* child, int64_t at);
     void push_if_evictable_leaf(Node* node);
     static bool entry_is_live(const HeapEntry& e);

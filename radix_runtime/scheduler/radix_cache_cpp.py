@@ -11,6 +11,10 @@ Python node's read interface (`id`, `parent`, `key`, `pages`, `children`, `lock_
 `last_access`); `key`, `pages` and `children` are built on each access (copies), so they are
 for tests and debugging, not hot loops. Importing this module raises ImportError when the
 extension is not built; `scheduler/cache.py` then falls back to the Python tree.
+
+The wrapper is thin on the hot path: while the cache is enabled, `match_prefix`, `insert`,
+`lock`, `unlock` (and `evict` with the C++ allocator) are the extension's own methods, bound on
+the instance, so a call goes straight to C++ without a Python frame in between.
 """
 
 from __future__ import annotations
@@ -43,10 +47,37 @@ class CppRadixCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
-        self.disable = disable
-        self._tree = _radix_tree.RadixTree(page_size, MatchResult, InsertResult)
-        # With the C++ allocator, evicted pages go back to it without crossing into Python.
+        # With the C++ allocator, evicted pages go back to it without crossing into Python: the
+        # C++ tree holds that allocator from here on (reassigning self.allocator does not move it).
         self._cpp_allocator = isinstance(allocator, CppPageAllocator)
+        self._tree = _radix_tree.RadixTree(
+            page_size, MatchResult, InsertResult, allocator if self._cpp_allocator else None
+        )
+        self.disable = disable
+
+    # NOTE: the methods below are the reference behaviour; while the cache is enabled the hot
+    # ones are shadowed by the C++ methods themselves (instance attributes), which do the same.
+    _FAST = ("match_prefix", "insert", "lock", "unlock", "evict")
+
+    @property
+    def disable(self) -> bool:
+        return self._disable
+
+    @disable.setter
+    def disable(self, value: bool) -> None:
+        self._disable = bool(value)
+        for name in self._FAST:
+            self.__dict__.pop(name, None)
+        if not self._disable:
+            tree = self._tree
+            self.__dict__.update(
+                match_prefix=tree.match_prefix,
+                insert=tree.insert,
+                lock=tree.lock,
+                unlock=tree.unlock,
+            )
+            if self._cpp_allocator:
+                self.evict = tree.evict_into
 
     # ---- sizes ----
 
@@ -105,7 +136,7 @@ class CppRadixCache:
 
     def evict(self, num_pages: int) -> int:
         if self._cpp_allocator:
-            return self._tree.evict_into(self.allocator, num_pages)
+            return self._tree.evict_into(num_pages)
         freed, pages = self._tree.evict(num_pages)
         if freed:
             self.allocator.free(pages)
@@ -113,7 +144,7 @@ class CppRadixCache:
 
     def reset(self) -> None:
         if self._cpp_allocator:
-            self._tree.reset_into(self.allocator)
+            self._tree.reset_into()
         else:
             self.allocator.free(self._tree.reset())
 

@@ -252,22 +252,33 @@ TestDifferentialPage16.settings = _settings
 
 
 def random_trace(
-    seed: int, page_size: int, steps: int, num_pages: int, check_every: int, cpp_allocator: bool
-):
+    seed: int,
+    page_size: int,
+    steps: int,
+    num_pages: int,
+    check_every: int,
+    cpp_allocator: bool,
+    vocab: int = 4,
+    conversations: int = 8,
+) -> int:
     """A long random op sequence (multi-turn requests, matches, evictions, the occasional
-    reset) on both trees: long enough for heap compactions and deep splits."""
+    reset) on both trees: long enough for heap compactions and deep splits. Returns the most
+    children a node had at a check."""
     rng = np.random.default_rng(seed)
+    widest = 0
     allocs = [
         PageAllocator(num_pages),
         (CppPageAllocator if cpp_allocator else PageAllocator)(num_pages),
     ]
     py, cc = RadixCache(page_size, allocs[0]), CppRadixCache(page_size, allocs[1])
-    histories = [rng.integers(0, 4, rng.integers(0, 64), dtype=np.int32) for _ in range(8)]
+    histories = [
+        rng.integers(0, vocab, rng.integers(0, 64), dtype=np.int32) for _ in range(conversations)
+    ]
     for step in range(steps):
         op = rng.random()
         c = int(rng.integers(len(histories)))
         if op < 0.5:  # a turn of conversation c: match its history + new tokens, then insert
-            key = np.concatenate([histories[c], rng.integers(0, 4, rng.integers(1, 40))])
+            key = np.concatenate([histories[c], rng.integers(0, vocab, rng.integers(1, 40))])
             mp, mc = py.match_prefix(key[:-1]), cc.match_prefix(key[:-1])
             same_match(mp, mc)
             py.lock(mp.node)
@@ -298,7 +309,9 @@ def random_trace(
             cc.reset()
         if step % check_every == 0:
             assert_same_state(py, cc, *allocs)
+            widest = max(widest, *(len(n.children) for n in [py.root, *py._nodes()]))
     assert_same_state(py, cc, *allocs)
+    return widest
 
 
 @pytest.mark.parametrize("cpp_allocator", [False, True])
@@ -307,6 +320,51 @@ def test_long_random_traces_agree(page_size, cpp_allocator):
     random_trace(
         page_size, page_size, 6000, num_pages=64, check_every=250, cpp_allocator=cpp_allocator
     )
+
+
+@pytest.mark.parametrize("cpp_allocator", [False, True])
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_wide_nodes_agree(page_size, cpp_allocator):
+    """Nodes with more children than the C++ tree keeps in its flat array (8): past that it files
+    them in a hash multimap, which must find, add and remove them alike."""
+    widest = random_trace(
+        7 + page_size,
+        page_size,
+        3000,
+        num_pages=2048,  # room for many conversations at once (evict ops still run)
+        check_every=100,
+        cpp_allocator=cpp_allocator,
+        vocab=24,
+        conversations=48,
+    )
+    assert widest > 8
+
+
+def test_bad_page_in_an_eviction_into_the_cpp_allocator_frees_nothing():
+    """The C++ tree frees evicted pages straight into the C++ allocator, node by node: a bad
+    page (here: one that is already free) in the second evicted node must still raise free()'s
+    error for all the pages and free none, after evicting what the Python tree evicts."""
+    allocs = [PageAllocator(64), CppPageAllocator(64)]
+    py, cc = RadixCache(1, allocs[0]), CppRadixCache(1, allocs[1])
+    leaves = {}
+    for name, cache, alloc in (("py", py, allocs[0]), ("cc", cc, allocs[1])):
+        leaves[name] = [ref.cache_request(cache, alloc, [i + 1] * 5).node for i in range(6)]
+    for name, alloc in (("py", allocs[0]), ("cc", allocs[1])):
+        node = leaves[name][1]  # the second least recently used leaf
+        pages = node.pages.copy()
+        pages[2] = alloc.free_page_ids()[-1]
+        node.pages = pages
+    free_before = [a.free_page_ids() for a in allocs]
+    errors = []
+    for cache in (py, cc):
+        with pytest.raises(ValueError) as exc:
+            cache.evict(100)
+        errors.append(str(exc.value))
+    assert errors[0] == errors[1] and "double free" in errors[0]
+    for alloc, before in zip(allocs, free_before):
+        assert np.array_equal(alloc.free_page_ids(), before)
+        alloc.check_integrity()
+    assert py.dump() == cc.dump() == [] and py.stats() == cc.stats()
 
 
 @settings(max_examples=30, deadline=None)
