@@ -90,21 +90,40 @@ class FlashInferBackend(AttentionBackend):
         if meta.is_decode_only:
             self._plan_decode(self._decode, kv_indptr, meta.kv_page_indices, last_page_len)
         else:
-            self._prefill.plan(
+            self._plan_prefill(
+                self._prefill,
                 torch.from_numpy(meta.qo_indptr_cpu),
                 kv_indptr,
                 meta.kv_page_indices,
                 last_page_len,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                meta.page_size,
-                causal=True,
-                sm_scale=self.scale,
-                q_data_type=self.kv_dtype,
-                kv_data_type=self.kv_dtype,
             )
-            self._active = self._prefill
+
+    def _plan_prefill(
+        self,
+        wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        **extra,
+    ) -> None:
+        """Causal prefill over the paged pool, host index arrays (device page ids)."""
+        wrapper.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.kv_dtype,
+            kv_data_type=self.kv_dtype,
+            **extra,
+        )
+        self._active = wrapper
 
     def _plan_decode(
         self,
@@ -234,20 +253,12 @@ class FlashInferBackend(AttentionBackend):
             )
             self._share_scratch(wrapper)
             self._extend_wrappers[(bs, tokens)] = wrapper
-        wrapper.plan(
+        self._plan_prefill(
+            wrapper,
             torch.from_numpy(qo_indptr),
             torch.from_numpy(kv_indptr),
             kv_indices,
             torch.from_numpy(kv_last_page_len),
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            causal=True,
-            sm_scale=self.scale,
-            q_data_type=self.kv_dtype,
-            kv_data_type=self.kv_dtype,
             disable_split_kv=True,  # FA2: the same kernels at every replay
         )
-        self._active = wrapper
         self._out_cache_loc = out_cache_loc
