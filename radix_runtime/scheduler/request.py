@@ -16,6 +16,68 @@ class ReqState(enum.Enum):
     FINISHED = "finished"
 
 
+class PageRow:
+    """A request's page ids (int32), in a buffer that grows by doubling.
+
+    A running request appends a page per decode step (page size 1) and hands slices of its row
+    to the tree (insert), the allocator (free) and the worker (new pages) as numpy views: with
+    32K-token histories a Python list cost a 32K-element conversion on every insert and on
+    every admission. Slices are views into the buffer: whoever keeps one copies it (the trees
+    and the allocator do)."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, pages=()) -> None:
+        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
+        self._n = len(pages)
+        self._buf = np.empty(max(16, 2 * self._n), dtype=np.int32)
+        self._buf[: self._n] = pages
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self._n]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.view()
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __getitem__(self, index):
+        return self.view()[index]
+
+    def __setitem__(self, index, values) -> None:
+        self.view()[index] = values
+
+    def __iter__(self):
+        return iter(self.view().tolist())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"PageRow({self.view().tolist()})"
+
+    def append(self, page: int) -> None:
+        if self._n == len(self._buf):
+            self._buf = np.concatenate([self._buf, np.empty(len(self._buf), dtype=np.int32)])
+        self._buf[self._n] = page
+        self._n += 1
+
+    def extend(self, pages) -> None:
+        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
+        end = self._n + len(pages)
+        if end > len(self._buf):
+            buf = np.empty(max(2 * len(self._buf), end), dtype=np.int32)
+            buf[: self._n] = self._buf[: self._n]
+            self._buf = buf
+        self._buf[self._n : end] = pages
+        self._n = end
+
+
 @dataclass(eq=False)
 class Req:
     rid: str
@@ -31,7 +93,7 @@ class Req:
 
     # KV state. `pages[:tree_pages]` belong to the radix tree (held by the lock on `node`);
     # the rest belong to this request. KV is computed for all_ids[:kv_len].
-    pages: list[int] = field(default_factory=list)
+    pages: PageRow = field(default_factory=lambda: PageRow())
     tree_pages: int = 0
     node: object | None = None  # radix_cache.TreeNode, locked while the request runs
     kv_len: int = 0

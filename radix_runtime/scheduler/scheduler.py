@@ -37,7 +37,7 @@ from radix_runtime.messages import (
 from radix_runtime.scheduler.allocator import PageAllocator
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.policy import order_waiting
-from radix_runtime.scheduler.request import Req, ReqState
+from radix_runtime.scheduler.request import PageRow, Req, ReqState
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +164,13 @@ class Scheduler:
         if self.args.enable_mixed_chunk:
             self._schedule_decodes(plan)
             budget = self._schedule_running_prefills(plan, max(budget - len(plan), 0))
-            self._schedule_waiting(plan, budget)
+            self._schedule_waiting(plan, budget, self._decode_reserve())
         else:
             # prefill-first; the decoders' next pages stay free, so a prefill never forces a
             # retraction, and a prefill that cannot go now leaves the step to the decodes
-            budget = self._schedule_running_prefills(plan, budget, self._decode_reserve())
-            self._schedule_waiting(plan, budget)
+            reserve = self._decode_reserve()
+            budget = self._schedule_running_prefills(plan, budget, reserve)
+            self._schedule_waiting(plan, budget, reserve)
             if not plan:
                 running = len(self.running)
                 self._schedule_decodes(plan)
@@ -206,10 +207,16 @@ class Scheduler:
                 continue
             self._retract(victim)
             decoders.remove(victim)
-        for req in decoders:
-            ok = self._grow_pages(req, req.kv_len + 1)
-            assert ok, "pages were counted as available"
-            plan.append(PlannedReq(req, 1, True))
+        # the decoders' new pages in one allocation (page size 1: every decoder, every step)
+        growing = [r for r in decoders if self._pages_needed(r, 1) > 0]
+        if growing:
+            if self.allocator.free_pages < len(growing):
+                self.cache.evict(len(growing) - self.allocator.free_pages)
+            pages = self.allocator.alloc(len(growing))
+            assert pages is not None, "pages were counted as available"
+            for req, page in zip(growing, pages.tolist()):
+                req.pages.append(page)
+        plan.extend(PlannedReq(req, 1, True) for req in decoders)
         if decoders:
             self.decode_steps += 1
 
@@ -230,7 +237,9 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, plan: list[PlannedReq], budget: int) -> None:
+    def _schedule_waiting(self, plan: list[PlannedReq], budget: int, reserve: int) -> None:
+        """Admit waiting requests in policy order; `reserve` pages stay free for the running
+        decoders' next tokens, so an admission never forces a retraction."""
         if not self.waiting or budget <= 0:
             return
         matches = {}
@@ -257,17 +266,15 @@ class Scheduler:
                 continue
             self.cache.lock(match.node)
             req.node = match.node
-            req.pages = match.pages.tolist()
+            req.pages = PageRow(match.pages)
             req.tree_pages = len(req.pages)
             req.kv_len = match.length
             n = min(budget, req.remaining_fill)
-            # keep room for the running decoders' next page so admission never forces a retraction
-            reserve = self._decode_reserve()
             if self._available_pages() - reserve < self._pages_needed(
                 req, n
             ) or not self._grow_pages(req, req.kv_len + n):
                 self.cache.unlock(req.node)
-                req.node, req.pages, req.tree_pages, req.kv_len = None, [], 0, 0
+                req.node, req.pages, req.tree_pages, req.kv_len = None, PageRow(), 0, 0
                 break
             if req.cached_tokens < 0:
                 req.cached_tokens = match.length
@@ -428,7 +435,7 @@ class Scheduler:
         pages = self.allocator.alloc(need)
         if pages is None:
             return False
-        req.pages.extend(pages.tolist())
+        req.pages.extend(pages)
         return True
 
     def _cache_unfinished(self, req: Req) -> None:
@@ -441,14 +448,14 @@ class Scheduler:
         if n_pages <= req.tree_pages:
             return
         ids = req.ids_slice(0, aligned)
-        res = self.cache.insert(ids, np.asarray(req.pages[:n_pages], dtype=np.int32))
+        res = self.cache.insert(ids, req.pages[:n_pages])
         dup_hi = res.prefix_len // self.page_size
         match = self.cache.match_prefix(ids)
         assert match.length == aligned, (match.length, aligned)
         if dup_hi > req.tree_pages:
             # someone else cached these tokens first: use their pages, free ours
             self.allocator.free(req.pages[req.tree_pages : dup_hi])
-            req.pages[req.tree_pages : dup_hi] = match.pages[req.tree_pages : dup_hi].tolist()
+            req.pages[req.tree_pages : dup_hi] = match.pages[req.tree_pages : dup_hi]
             req.sent_pages = min(req.sent_pages, req.tree_pages)
         self.cache.lock(match.node)
         self.cache.unlock(req.node)
@@ -460,9 +467,7 @@ class Scheduler:
         if req.node is not None:
             aligned = req.kv_len // self.page_size * self.page_size
             n_pages = aligned // self.page_size
-            res = self.cache.insert(
-                req.ids_slice(0, aligned), np.asarray(req.pages[:n_pages], dtype=np.int32)
-            )
+            res = self.cache.insert(req.ids_slice(0, aligned), req.pages[:n_pages])
             dup_hi = min(res.prefix_len // self.page_size, n_pages)
             if dup_hi > req.tree_pages:
                 self.allocator.free(req.pages[req.tree_pages : dup_hi])
@@ -470,8 +475,8 @@ class Scheduler:
                 self.allocator.free(req.pages[n_pages:])
             self.cache.unlock(req.node)
         elif req.pages:
-            self.allocator.free(req.pages)
-        req.node, req.pages, req.tree_pages, req.kv_len, req.sent_pages = None, [], 0, 0, 0
+            self.allocator.free(req.pages.view())
+        req.node, req.pages, req.tree_pages, req.kv_len, req.sent_pages = None, PageRow(), 0, 0, 0
         if req.slot is not None:
             self.released_slots.append(req.slot)
             self.free_slots.append(req.slot)
@@ -534,7 +539,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every page is free, cached in the tree, or owned by exactly one running request; when
         idle, nothing is locked and every slot is free."""
-        held = [p for r in self.running for p in r.pages[r.tree_pages :]]
+        held = np.concatenate(
+            [np.zeros(0, np.int32)] + [r.pages[r.tree_pages :] for r in self.running]
+        )
         self.cache.check_integrity(expect_unlocked=not self.running, held_pages=held)
         assert len(self.free_slots) + len(self.running) == self.max_running, "slot leak"
         self.integrity_checks += 1
