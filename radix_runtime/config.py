@@ -33,7 +33,6 @@ class ServerArgs:
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
     chunked_prefill_size: int = 2048
-    max_prefill_tokens: int = 8192
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
     enable_mixed_chunk: bool = False  # decodes ride along with prefill chunks in one batch
     disable_radix_cache: bool = False
