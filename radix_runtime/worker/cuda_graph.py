@@ -36,6 +36,21 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+def capture(run, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of `run()` (its output tensor with it), sharing the memory pool `pool`. Two
+    warm-up runs on a side stream first: Triton compiles, cuBLAS picks kernels and workspaces."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -49,7 +64,6 @@ class CudaGraphRunner:
         self.model = model
         self.attn = attn
         self.kv_pool = kv_pool
-        self.page_size = kv_pool.page_size
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         # rows: token ids, positions, KV write locations; one host->device copy fills all three
@@ -85,32 +99,19 @@ class CudaGraphRunner:
             np.ones(bs, dtype=np.int32),
             self.inputs[2, :bs],
         )
-        # warm up outside the graph (Triton compiles, cuBLAS picks its kernels and workspaces)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run_model(bs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.outputs[bs] = self._run_model(bs)
-        self.graphs[bs] = graph
-        return graph.pool()
+        self.graphs[bs], self.outputs[bs] = capture(lambda: self._run_model(bs), pool)
+        return self.graphs[bs].pool()
 
-    def replay(self, meta: AttentionMetadata, input_ids: np.ndarray) -> torch.Tensor:
+    def replay(self, meta: AttentionMetadata) -> torch.Tensor:
         """Run a decode-only batch of B <= max_bs rows; returns float32 logits [B, vocab], a view
         into the graph's output buffer (valid until the next replay)."""
         b = meta.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         pad = bs - b
-        ps = self.page_size
-        positions = meta.seq_lens_cpu.astype(np.int64) - 1
-        last_pages = meta.kv_page_indices_cpu[meta.kv_indptr_cpu[1:] - 1].astype(np.int64)
         host = np.zeros((3, bs), dtype=np.int64)  # padding rows: token 0, position 0, location 0
-        host[0, :b] = input_ids
-        host[1, :b] = positions
-        host[2, :b] = last_pages * ps + positions % ps
+        host[0, :b] = meta.input_ids_cpu
+        host[1, :b] = meta.positions_cpu
+        host[2, :b] = meta.out_cache_loc_cpu
         self.inputs[:, :bs].copy_(torch.from_numpy(host))
         kv_indptr = meta.kv_indptr_cpu
         last_page_len = meta.kv_last_page_len_cpu
@@ -301,17 +302,9 @@ class ExtendGraphRunner:
     @torch.inference_mode()
     def _capture(self, bs: int, tokens: int, pool):
         self._plan(None, bs, tokens)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run_model(bs, tokens)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.outputs[(bs, tokens)] = self._run_model(bs, tokens)
-        self.graphs[(bs, tokens)] = graph
-        return graph.pool()
+        shape = (bs, tokens)
+        self.graphs[shape], self.outputs[shape] = capture(lambda: self._run_model(*shape), pool)
+        return self.graphs[shape].pool()
 
     def replay(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """float32 logits [B, vocab] of each request's last row (a view into the graph's output,

@@ -191,7 +191,7 @@ class ModelRunner:
         meta = layout.meta
         logits = None
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
-            logits = self.cuda_graphs.replay(meta, meta.input_ids_cpu)
+            logits = self.cuda_graphs.replay(meta)
         elif self.extend_graphs is not None and all(b - a <= 1 for a, b in layout.logit_ranges):
             logits = self.extend_graphs.replay(meta)  # None: no captured shape holds it
         if logits is not None:  # one row per request, its last
