@@ -277,10 +277,7 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        event = json.loads(data)
-        if "error" in event:
-            raise BenchRequestError(event["error"].get("message", str(event["error"])))
-        yield event
+        yield json.loads(data)
 
 
 async def _timed(
@@ -298,7 +295,7 @@ async def _timed(
                 clock.arrived(on_event(event, result))
         else:
             async with client.stream("POST", url, json=body) as response:
-                async for event in _sse_events(response):
+                async for event in _checked(_sse_events(response)):
                     clock.arrived(on_event(event, result))
     except (
         httpx.HTTPError,

@@ -62,20 +62,22 @@ class PageRow:
         return f"PageRow({self.view().tolist()})"
 
     def append(self, page: int) -> None:
-        if self._n == len(self._buf):
-            self._buf = np.concatenate([self._buf, np.empty(len(self._buf), dtype=np.int32)])
+        self._make_room(self._n + 1)
         self._buf[self._n] = page
         self._n += 1
 
     def extend(self, pages) -> None:
         pages = np.asarray(pages, dtype=np.int32).reshape(-1)
         end = self._n + len(pages)
-        if end > len(self._buf):
-            buf = np.empty(max(2 * len(self._buf), end), dtype=np.int32)
-            buf[: self._n] = self._buf[: self._n]
-            self._buf = buf
+        self._make_room(end)
         self._buf[self._n : end] = pages
         self._n = end
+
+    def _make_room(self, size: int) -> None:
+        if size > len(self._buf):
+            buf = np.empty(max(2 * len(self._buf), size), dtype=np.int32)
+            buf[: self._n] = self._buf[: self._n]
+            self._buf = buf
 
 
 @dataclass(eq=False)

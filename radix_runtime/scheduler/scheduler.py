@@ -210,9 +210,7 @@ class Scheduler:
         # the decoders' new pages in one allocation (page size 1: every decoder, every step)
         growing = [r for r in decoders if self._pages_needed(r, 1) > 0]
         if growing:
-            if self.allocator.free_pages < len(growing):
-                self.cache.evict(len(growing) - self.allocator.free_pages)
-            pages = self.allocator.alloc(len(growing))
+            pages = self._take_pages(len(growing))
             assert pages is not None, "pages were counted as available"
             for req, page in zip(growing, pages.tolist()):
                 req.pages.append(page)
@@ -229,9 +227,7 @@ class Scheduler:
             if req.is_decoding or req.remaining_fill <= 0:
                 continue
             n = min(budget, req.remaining_fill)
-            if self._available_pages() - reserve < self._pages_needed(
-                req, n
-            ) or not self._grow_pages(req, req.kv_len + n):
+            if not self._grow_pages(req, req.kv_len + n, reserve):
                 break
             plan.append(PlannedReq(req, n, req.kv_len + n == req.all_len and not req.prefill_only))
             budget -= n
@@ -270,9 +266,7 @@ class Scheduler:
             req.tree_pages = len(req.pages)
             req.kv_len = match.length
             n = min(budget, req.remaining_fill)
-            if self._available_pages() - reserve < self._pages_needed(
-                req, n
-            ) or not self._grow_pages(req, req.kv_len + n):
+            if not self._grow_pages(req, req.kv_len + n, reserve):
                 self.cache.unlock(req.node)
                 req.node, req.pages, req.tree_pages, req.kv_len = None, PageRow(), 0, 0
                 break
@@ -426,17 +420,25 @@ class Scheduler:
     def _pages_needed(self, req: Req, n: int) -> int:
         return max(math.ceil((req.kv_len + n) / self.page_size) - len(req.pages), 0)
 
-    def _grow_pages(self, req: Req, kv_len: int) -> bool:
+    def _grow_pages(self, req: Req, kv_len: int, reserve: int | None = None) -> bool:
+        """Pages for `req` to hold `kv_len` tokens. With `reserve`, refuse (taking nothing) unless
+        that many pages stay available after it, for the running decoders' next tokens."""
         need = max(math.ceil(kv_len / self.page_size) - len(req.pages), 0)
+        if reserve is not None and self._available_pages() - reserve < need:
+            return False
         if need == 0:
             return True
-        if self.allocator.free_pages < need:
-            self.cache.evict(need - self.allocator.free_pages)
-        pages = self.allocator.alloc(need)
+        pages = self._take_pages(need)
         if pages is None:
             return False
         req.pages.extend(pages)
         return True
+
+    def _take_pages(self, n: int) -> np.ndarray | None:
+        """`n` free pages, evicting cached prefixes for the shortfall; None if there are not."""
+        if self.allocator.free_pages < n:
+            self.cache.evict(n - self.allocator.free_pages)
+        return self.allocator.alloc(n)
 
     def _cache_unfinished(self, req: Req) -> None:
         """Put the computed prefix of a running request into the tree, so requests arriving now

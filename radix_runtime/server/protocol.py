@@ -419,8 +419,9 @@ def split_prompts(value: Any, vocab_size: int, param: str) -> list[str | list[in
     """
     if isinstance(value, str):
         prompts: list = [value]
-    elif value and _all_ints(value):
-        prompts = [value]
+    elif value and _all_ints(value):  # one token-id prompt: already known to be ints
+        _check_token_ids(value, vocab_size, param)
+        return [value]
     else:
         prompts = list(value)
         if not prompts:
