@@ -280,14 +280,14 @@ def experiments(
     print("--- Python profile, 5 cached-prefix prefills (eager path)")
     print(host_profile(bench.last_hit, 5))
     graphs, wrapper = runner.cuda_graphs, runner.attn._graph_wrappers.get(1)
-    variants = {
-        "triton_gemv_all": dict(max_rows=1 << 30, tensor_cores=True),
-        "cublas_all": dict(max_rows=0, tensor_cores=True),
-        "cuda_core_attention": dict(max_rows=gpu_ops.GEMV_MAX_ROWS, tensor_cores=False),
+    variants = {  # (one-token fused path, Triton GEMVs, tensor-core attention)
+        "cublas_all": (False, False, True),
+        "cuda_core_attention": (True, True, False),
     }
-    for name, v in variants.items():
-        saved = gpu_ops.GEMV_MAX_ROWS, runner.attn.tensor_cores
-        gpu_ops.GEMV_MAX_ROWS, runner.attn.tensor_cores = v["max_rows"], v["tensor_cores"]
+    for name, (row_fusion, triton_gemv, tensor_cores) in variants.items():
+        saved = gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV, runner.attn.tensor_cores
+        gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV = row_fusion, triton_gemv
+        runner.attn.tensor_cores = tensor_cores
         runner.attn._graph_wrappers.pop(1, None)
         runner.cuda_graphs = CudaGraphRunner(
             runner.model, runner.attn, runner.kv_pool, 1, runner.max_pages_per_slot, runner.device
@@ -296,7 +296,7 @@ def experiments(
         replay_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
         exp[name] = {"step_ms": step_ms, "graph_replay_ms": replay_ms}
         print(f"variant {name}: step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms")
-        gpu_ops.GEMV_MAX_ROWS, runner.attn.tensor_cores = saved
+        gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV, runner.attn.tensor_cores = saved
         runner.attn._graph_wrappers.pop(1, None)
     runner.cuda_graphs = graphs  # the original graph with the wrapper it was captured with
     runner.attn._graph_wrappers[1] = wrapper
@@ -316,7 +316,7 @@ def main() -> None:
         "--experiments",
         action="store_true",
         help="also: Python profiles of a batch-1 step and a cached prefill, and batch-1 decode "
-        "graphs with CUDA-core attention and with all-Triton / all-cuBLAS GEMVs",
+        "graphs with CUDA-core attention and with all-cuBLAS projections",
     )
     args = p.parse_args()
 
@@ -410,21 +410,24 @@ def main() -> None:
 
     if args.experiments:
         experiments(runner, bench, results, args.context, w_bytes, copy_bps)
-    if runner.cuda_graphs is not None and gpu_ops.USE_TRITON_GEMV:
-        # A/B: batch-1 decode with cuBLAS for the projections (a batch-1 graph captured again)
-        gpu_ops.USE_TRITON_GEMV = False
-        runner.cuda_graphs = CudaGraphRunner(
-            runner.model, runner.attn, runner.kv_pool, 1, runner.max_pages_per_slot, runner.device
-        )
-        ms = bench.decode(1, args.context)
-        results["decode_bs1_cublas_ms"] = ms
-        results["decode_bs1_cublas_roofline_fraction"] = w_bytes / (ms * 1e-3) / copy_bps
-        graph_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
-        results["decode_bs1_cublas_graph_replay_ms"] = graph_ms
-        results["decode_bs1_cublas_graph_profile"] = kernel_profile(
-            runner.cuda_graphs.graphs[1].replay, 5
-        )
-        gpu_ops.USE_TRITON_GEMV = True
+    if runner.cuda_graphs is not None:
+        # A/B in the same run: batch-1 decode without the fused one-token path (the norms, adds
+        # and SiLU as kernels of their own), and that with cuBLAS for every projection
+        for name, row_fusion, triton_gemv in (("unfused", False, True), ("cublas", False, False)):
+            gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV = row_fusion, triton_gemv
+            runner.cuda_graphs = CudaGraphRunner(
+                runner.model, runner.attn, runner.kv_pool, 1, runner.max_pages_per_slot,
+                runner.device,
+            )  # fmt: skip
+            ms = bench.decode(1, args.context)
+            results[f"decode_bs1_{name}_ms"] = ms
+            results[f"decode_bs1_{name}_roofline_fraction"] = w_bytes / (ms * 1e-3) / copy_bps
+            graph_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
+            results[f"decode_bs1_{name}_graph_replay_ms"] = graph_ms
+            results[f"decode_bs1_{name}_graph_profile"] = kernel_profile(
+                runner.cuda_graphs.graphs[1].replay, 5
+            )
+        gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV = True, True
 
     if args.out:
         with open(args.out, "w") as f:

@@ -3,6 +3,7 @@
 # .devicekit/ (../shared/device-kit). Stages, in the order given:
 #   tests      pytest tests/gpu
 #   kernels    bench/gpu_kernels.py           -> $OUT/gpu_kernels.json
+#   gemv       bench/gemv_sweep.py            -> $OUT/gemv_sweep.json
 #   worker     bench/gpu_worker.py            -> $OUT/h200_gpu_worker.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
@@ -26,6 +27,10 @@ for stage in "$@"; do
                 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt" || status=1 ;;
         kernels)
             timeout 240 python3 bench/gpu_kernels.py --out "$OUT/gpu_kernels.json" || status=1 ;;
+        gemv)
+            timeout 400 python3 bench/gemv_sweep.py --out "$OUT/gemv_sweep.json" || status=1
+            # later stages of this call use the configurations it found
+            [ -f "$OUT/gemv_sweep.json" ] && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
         experiments)

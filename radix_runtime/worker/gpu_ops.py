@@ -14,6 +14,9 @@ and benchmarked against (bench/gpu_kernels.py).
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -200,63 +203,196 @@ def store_kv_torch(
 
 
 # ---------------------------------------------------------------------------------------------
-# batch-1 matrix-vector products (a decode step of one request streams every weight once)
+# batch-1 GEMV with the layer's small ops fused in (the decode step of one request)
+#
+# One decode step of one request is a chain of matrix-vector products with tiny ops between
+# them; each tiny op is a kernel of its own (~2-3 us in a graph, x 32 layers). This GEMV takes
+# them in: its prologue can build x on the fly as RMSNorm(residual) * w (the norm's sum of
+# squares is accumulated in the same K loop, so the input is read once; 1/rms scales the dot
+# products at the end), or as SiLU(gate) * up from the gate/up projection's output; its
+# epilogue can add the result into the residual stream in place. A layer is then
+#     qkv = W_qkv . norm(res)   RoPE, attention   res += W_o . attn
+#     gu = W_gu . norm(res)     res += W_down . silu(gu[:I]) * gu[I:]
+# with no separate norm, add or activation kernels. Each program owns BLOCK_N whole rows, so
+# the reduction order is fixed (no atomics: the same input gives the same bits every run).
 
-# bench/gpu_worker.py A/B-measures decode with and without it (graphs captured each way).
-# Measured in a batch-1 graph of the 8B model (docs/gpu_notes.md): cuBLAS splits K and adds a
-# reduction kernel for the narrower projections (qkv, o, down), where this kernel is as fast
-# or faster in one launch; for the wide ones (gate/up 28,672 rows, the LM head 128,256) cuBLAS's
-# single kernel streams faster (3.9-4.3 TB/s), so those stay with cuBLAS.
-USE_TRITON_GEMV = True
-GEMV_MAX_ROWS = 8192
+GEMV_PLAIN, GEMV_NORM, GEMV_SILU = 0, 1, 2
+ROW_FUSION = True  # the model's one-token path uses these GEMVs (bench/gpu_worker.py A/Bs it)
 
 
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-        for bn, bk, w, st in [
-            (4, 1024, 4, 3),
-            (8, 512, 4, 3),
-            (8, 1024, 8, 3),
-            (16, 256, 4, 4),
-            (16, 512, 8, 3),
-            (32, 256, 8, 3),
-        ]
-    ],
-    key=["N", "K"],
-    cache_results=True,  # on disk: a restarted server does not tune again
-)
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # y[n] = sum_k x[k] * w[n, k]; each program owns BLOCK_N rows of w and walks all of K
+def _gemv_fused_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    norm_ptr,
+    N,
+    K,
+    eps,
+    PROLOGUE: tl.constexpr,  # GEMV_PLAIN x | GEMV_NORM rmsnorm(x) * norm | GEMV_SILU silu(x[:K]) * x[K:]
+    ADD: tl.constexpr,  # y += W . x (y is the residual stream) instead of y = W . x
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rn < N
     rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    if ADD:  # fetched first: its latency hides behind the weight stream, not after it
+        y0 = tl.load(y_ptr + rn, mask=row_ok, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(rows + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:
+            w = tl.load(rows + rk[None, :], mask=row_ok[:, None], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+            if PROLOGUE == 2:
+                g = tl.load(x_ptr + rk).to(tl.float32)
+                x = g / (1.0 + tl.exp(-g)) * tl.load(x_ptr + K + rk).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + rk).to(tl.float32)
+                if PROLOGUE == 1:
+                    sq += x * x
+                    x = x * tl.load(norm_ptr + rk).to(tl.float32)
+        else:
+            k_ok = rk < K
+            w = tl.load(rows + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+            if PROLOGUE == 2:
+                g = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + K + rk, mask=k_ok, other=0.0).to(tl.float32)
+                x = g / (1.0 + tl.exp(-g)) * up
+            else:
+                x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+                if PROLOGUE == 1:
+                    sq += x * x
+                    x = x * tl.load(norm_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
-    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+    y = tl.sum(acc, axis=1)
+    if PROLOGUE == 1:
+        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    if ADD:
+        y += y0
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+# (BLOCK_N, BLOCK_K, num_warps) per (rows, cols, prologue, add), measured on the H200 by
+# bench/gemv_sweep.py; keys not listed get GEMV_DEFAULT_CONFIG. The fused prologues re-read
+# the input row in every program, so they want more rows per program than the plain product.
+GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
+    # Llama-3.1-8B (docs/results/h200_gemv_sweep.json; us per product there, cuBLAS in brackets)
+    (6144, 4096, GEMV_PLAIN, False): (2, 1024, 4),  # qkv 13.7 (15.5)
+    (6144, 4096, GEMV_NORM, False): (8, 512, 4),  # qkv from the residual 14.1
+    (4096, 4096, GEMV_PLAIN, False): (4, 1024, 2),  # o 10.0 (13.7)
+    (4096, 4096, GEMV_PLAIN, True): (4, 1024, 4),  # o into the residual 10.0
+    (28672, 4096, GEMV_PLAIN, False): (2, 2048, 2),  # gate/up 53.9 (55.7)
+    (28672, 4096, GEMV_NORM, False): (16, 256, 4),  # gate/up from the residual 55.3
+    (4096, 14336, GEMV_PLAIN, False): (2, 2048, 2),  # down 28.4 (31.7)
+    (4096, 14336, GEMV_SILU, True): (8, 1024, 4),  # down of SiLU(gate) * up, into the residual 29.5
+    (128256, 4096, GEMV_PLAIN, False): (4, 2048, 4),  # LM head 229.7 (239.2)
+}
+GEMV_DEFAULT_CONFIG = {GEMV_PLAIN: (4, 1024, 4), GEMV_NORM: (8, 512, 4), GEMV_SILU: (8, 1024, 4)}
+GEMV_CONFIGS_ENV = "RADIX_RUNTIME_GEMV_CONFIGS"  # a gemv_sweep.py JSON whose best configs win
+
+
+def load_gemv_configs(path: str) -> dict[tuple[int, int, int, bool], tuple[int, int, int]]:
+    """The best configuration of each case of a bench/gemv_sweep.py result."""
+    with open(path) as f:
+        cases = json.load(f)["cases"]
+    return {(c["rows"], c["cols"], c["prologue"], c["add"]): tuple(c["best_config"]) for c in cases}
+
+
+if os.environ.get(GEMV_CONFIGS_ENV):
+    GEMV_CONFIGS.update(load_gemv_configs(os.environ[GEMV_CONFIGS_ENV]))
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu: bool = False,
+    add_to: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """One row: y = W . f(x), W [N, K] contiguous, where f(x) is x; rmsnorm(x) * norm_weight
+    (`norm_weight` given; x [1, K]); or silu(x[:, :K]) * x[:, K:] (`silu`; x [1, 2K]).
+    With `add_to` ([1, N]) the product is added into it in place and it is returned."""
+    n, k = weight.shape
+    if x.shape[0] != 1 or not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("gemv takes one contiguous input row and a contiguous weight")
+    if x.shape[1] != (2 * k if silu else k):
+        raise ValueError(f"gemv: input of {x.shape[1]} columns for a weight of {k}")
+    if silu and norm_weight is not None:
+        raise ValueError("gemv: a norm and a SiLU prologue cannot be combined")
+    prologue = GEMV_SILU if silu else GEMV_NORM if norm_weight is not None else GEMV_PLAIN
+    if add_to is None:
+        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    else:
+        if add_to.shape != (1, n) or not add_to.is_contiguous():
+            raise ValueError(f"gemv: add_to must be a contiguous [1, {n}] row")
+        y = add_to
+    key = (n, k, prologue, add_to is not None)
+    block_n, block_k, warps = config or GEMV_CONFIGS.get(key, GEMV_DEFAULT_CONFIG[prologue])
+    _gemv_fused_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        y,
+        x if norm_weight is None else norm_weight,
+        n,
+        k,
+        eps,
+        PROLOGUE=prologue,
+        ADD=add_to is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=warps,
+    )
+    return y
+
+
+# bench/gpu_worker.py A/B-measures decode with and without it (graphs captured each way)
+USE_TRITON_GEMV = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, with a Triton GEMV for single-row inputs (no bias, contiguous operands)."""
+    """F.linear, with `gemv` for single-row inputs (no bias, contiguous operands): faster than
+    cuBLAS's batch-1 kernels on every 8B projection and the LM head (the sweep above)."""
     if (
         USE_TRITON_GEMV
         and x.shape[0] == 1
-        and weight.shape[0] <= GEMV_MAX_ROWS
         and bias is None
         and x.is_contiguous()
         and weight.is_contiguous()
     ):
-        n, k = weight.shape
-        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-        _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, y, n, k)
-        return y
+        return gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def gemv_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu: bool = False,
+    add_to: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference for `gemv`, in float32."""
+    xf = x.float()
+    if silu:
+        gate, up = xf.chunk(2, dim=-1)
+        xf = F.silu(gate) * up
+    elif norm_weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    y = F.linear(xf, weight.float())
+    if add_to is None:
+        return y.to(x.dtype)
+    add_to.copy_((add_to.float() + y).to(add_to.dtype))
+    return add_to
 
 
 # ---------------------------------------------------------------------------------------------

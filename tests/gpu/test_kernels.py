@@ -61,11 +61,36 @@ def test_gemv_and_linear_dispatch(n, k):
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
     ref = x.double() @ w.double().T
-    y = gpu_ops.linear(x, w, None)  # the Triton GEMV (<= GEMV_MAX_ROWS rows, one input row)
+    y = gpu_ops.linear(x, w, None)  # one input row: gpu_ops.gemv
     assert y.shape == (1, n) and y.dtype == torch.bfloat16
     assert rel_err(y, ref) < 5e-3
     xs = torch.randn(3, k, device=DEV, dtype=torch.bfloat16)  # more rows: cuBLAS
     assert rel_err(gpu_ops.linear(xs, w, None), xs.double() @ w.double().T) < 5e-3
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (100, 64), (37, 1000)])
+@pytest.mark.parametrize("mode", ["plain", "norm", "silu"])
+@pytest.mark.parametrize("add", [False, True])
+def test_fused_gemv(n, k, mode, add):
+    """gpu_ops.gemv's prologues (RMSNorm, SiLU-and-mul) and residual-add epilogue against the
+    float32 reference, at the table's configuration and at an uneven-K one."""
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(1, 2 * k if mode == "silu" else k, device=DEV, dtype=torch.bfloat16)
+    kw = {"silu": True} if mode == "silu" else {}
+    if mode == "norm":
+        kw = {"norm_weight": torch.randn(k, device=DEV, dtype=torch.bfloat16), "eps": 1e-5}
+    for config in (None, (4, 256, 4)):
+        res = torch.randn(1, n, device=DEV, dtype=torch.bfloat16)
+        if add:
+            got = gpu_ops.gemv(x, w, add_to=res.clone(), config=config, **kw).float() - res.float()
+            want = gpu_ops.gemv_torch(x, w, add_to=res.clone(), **kw).float() - res.float()
+        else:
+            got = gpu_ops.gemv(x, w, config=config, **kw)
+            want = gpu_ops.gemv_torch(x, w, **kw)
+        assert got.shape == (1, n)
+        assert rel_err(got, want) < 2e-2  # the added products carry the residual's bf16 rounding
+    with pytest.raises(ValueError):
+        gpu_ops.gemv(torch.randn(2, k, device=DEV, dtype=torch.bfloat16), w)
 
 
 def test_silu_and_mul_triton():

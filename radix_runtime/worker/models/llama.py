@@ -239,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
+        if h.shape[0] == 1 and ops.ROW_FUSION and not (c.qkv_bias or c.o_bias):
+            return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
         x = ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
@@ -254,6 +256,35 @@ class LlamaForCausalLM(nn.Module):
             gate_up = ops.linear(x, mlp.gate_up_proj.weight, None)
             h = ops.linear(ops.silu_and_mul(gate_up), mlp.down_proj.weight, None)
         return ops.fused_add_rmsnorm(h, residual, self.model.norm.weight, eps)
+
+    def _forward_row(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        """One token (a batch-1 decode step): four GEMVs per layer that carry the norms, the
+        residual adds and SiLU-and-mul in their prologues/epilogues (`gpu_ops.gemv`), so a layer
+        is six kernels: qkv, RoPE, KV store, attention, o, gate/up, down."""
+        ops, c = self._ops, self.config
+        eps = c.rms_norm_eps
+        residual = h  # [1, hidden], updated in place by the o and down GEMVs
+        for layer in self.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = ops.gemv(residual, a.qkv_proj.weight, norm_weight=layer.input_layernorm.weight,
+                           eps=eps)  # fmt: skip
+            q, k = ops.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)
+            v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
+            out = attn.forward(a.layer_id, q, k, v, kv_pool).view(-1, c.q_size)
+            ops.gemv(out, a.o_proj.weight, add_to=residual)
+            gate_up = ops.gemv(
+                residual, mlp.gate_up_proj.weight, norm_weight=layer.post_attention_layernorm.weight,
+                eps=eps,
+            )  # fmt: skip
+            ops.gemv(gate_up, mlp.down_proj.weight, silu=True, add_to=residual)
+        return ops.rmsnorm(residual, self.model.norm.weight, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> float32 [R, vocab]; called only on the rows that need logits."""
