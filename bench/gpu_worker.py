@@ -411,10 +411,18 @@ def main() -> None:
     if args.experiments:
         experiments(runner, bench, results, args.context, w_bytes, copy_bps)
     if runner.cuda_graphs is not None:
-        # A/B in the same run: batch-1 decode without the fused one-token path (the norms, adds
-        # and SiLU as kernels of their own), and that with cuBLAS for every projection
-        for name, row_fusion, triton_gemv in (("unfused", False, True), ("cublas", False, False)):
+        # A/B in the same run: batch-1 decode with FlashInfer's decode attention instead of the
+        # Triton split-KV kernel; also without the fused one-token path (the norms, adds and
+        # SiLU as kernels of their own); and that with cuBLAS for every projection
+        variants = (
+            ("flashinfer_attention", True, True, 0),
+            ("unfused", False, True, 0),
+            ("cublas", False, False, 0),
+        )
+        small = gpu_ops.TRITON_DECODE_MAX_BS
+        for name, row_fusion, triton_gemv, triton_decode in variants:
             gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV = row_fusion, triton_gemv
+            gpu_ops.TRITON_DECODE_MAX_BS = triton_decode
             runner.cuda_graphs = CudaGraphRunner(
                 runner.model, runner.attn, runner.kv_pool, 1, runner.max_pages_per_slot,
                 runner.device,
@@ -428,6 +436,7 @@ def main() -> None:
                 runner.cuda_graphs.graphs[1].replay, 5
             )
         gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV = True, True
+        gpu_ops.TRITON_DECODE_MAX_BS = small
 
     if args.out:
         with open(args.out, "w") as f:

@@ -93,6 +93,30 @@ def test_fused_gemv(n, k, mode, add):
         gpu_ops.gemv(torch.randn(2, k, device=DEV, dtype=torch.bfloat16), w)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("lens", [[1], [1024], [5, 300, 17, 1], [8191, 2, 64, 100, 3, 7, 900, 33]])
+@pytest.mark.parametrize("heads", [(32, 8), (4, 4)])
+def test_decode_attention(page_size, lens, heads):
+    """The Triton split-KV decode against the float32 reference, on scattered pages, for every
+    split count the batch size can pick and one forced split count (more splits than tokens)."""
+    h, hkv, d = heads[0], heads[1], 128
+    pages = [-(-n // page_size) for n in lens]
+    total = sum(pages) + 3
+    k_cache = torch.randn(total, page_size, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    ids = (torch.randperm(total - 1, device=DEV)[: sum(pages)] + 1).int()
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32,
+                          device=DEV)  # fmt: skip
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32,
+                        device=DEV)  # fmt: skip
+    q = torch.randn(len(lens), h, d, device=DEV, dtype=torch.bfloat16)
+    want = gpu_ops.decode_attention_torch(q, k_cache, v_cache, indptr, ids, last, d**-0.5)
+    for splits in (None, 32):
+        got = gpu_ops.decode_attention(q, k_cache, v_cache, indptr, ids, last, d**-0.5, splits)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        assert rel_err(got, want.double()) < 1e-2
+
+
 def test_silu_and_mul_triton():
     for rows in (1, 64, 65):
         gu = torch.randn(rows, 2 * 14336, device=DEV, dtype=torch.bfloat16)

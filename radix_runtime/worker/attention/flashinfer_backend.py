@@ -10,7 +10,10 @@ pool's: per layer K and V of [num_pages, page_size, kv_heads, head_dim]):
   a ragged pass over the chunk plus a merge with the prefix would save that write-then-read,
   but bench/gpu_kernels.py measures the difference and it is small next to the matmuls;
 - a decode-only batch goes through `BatchDecodeWithPagedKVCacheWrapper` (tensor cores when a
-  KV head serves >= 4 query heads, as for Llama-3-8B, where they are faster);
+  KV head serves >= 4 query heads, as for Llama-3-8B, where they are faster), except batches of
+  <= `gpu_ops.TRITON_DECODE_MAX_BS` requests: those take the Triton split-KV kernel
+  (`gpu_ops.decode_attention`, ~2x faster at batch 1, and no plan: the device index arrays are
+  all it reads);
 - CUDA graphs (cuda_graph.py) get one decode wrapper per captured batch size, built with
   `use_cuda_graph=True` over fixed index buffers shared by all sizes; `plan_cuda_graph` refills
   those buffers before each replay;
@@ -41,6 +44,12 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     return num_heads // num_kv_heads >= 4
 
 
+def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
+    """Host array -> device buffer, stream-ordered, through fresh pinned memory (the caching host
+    allocator keeps it alive until the copy ran; pageable memory would make the copy sync)."""
+    dst.copy_(torch.from_numpy(np.ascontiguousarray(host)).pin_memory(), non_blocking=True)
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
@@ -62,6 +71,8 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtype: torch.dtype | None = None  # the pool's, known once bound
         self.page_size = 1
         self._active = None  # the wrapper planned for the current batch
+        # or, for a small decode batch, the Triton kernel's index arrays (device tensors)
+        self._small_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._out_cache_loc: torch.Tensor | None = None
         # CUDA graphs: fixed index buffers and one decode wrapper per captured batch size
         self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
@@ -85,6 +96,10 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._out_cache_loc = meta.out_cache_loc
+        self._small_decode = None
+        if meta.is_decode_only and meta.batch_size <= gpu_ops.TRITON_DECODE_MAX_BS:
+            self._small_decode = (meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len)
+            return
         kv_indptr = torch.from_numpy(meta.kv_indptr_cpu)
         last_page_len = torch.from_numpy(meta.kv_last_page_len_cpu)
         if meta.is_decode_only:
@@ -156,6 +171,8 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
         gpu_ops.store_kv(k_cache, v_cache, self._out_cache_loc, k, v)
+        if self._small_decode is not None:
+            return gpu_ops.decode_attention(q, k_cache, v_cache, *self._small_decode, self.scale)
         return self._active.run(q.contiguous(), (k_cache, v_cache))
 
     # ------------------------------------------------------------------------------------------
@@ -178,6 +195,19 @@ class FlashInferBackend(AttentionBackend):
         """Plan the size-`bs` graph wrapper (indptr / last page lengths padded to `bs` rows,
         page ids on the device); the layers then write K/V at `out_cache_loc`, a fixed buffer
         the graph reads."""
+        self._out_cache_loc = out_cache_loc
+        if bs <= gpu_ops.TRITON_DECODE_MAX_BS:  # the Triton kernel reads the buffers themselves
+            n = len(kv_indices)
+            _upload(self._graph_kv_indptr[: bs + 1], kv_indptr)
+            _upload(self._graph_kv_last_page_len[:bs], kv_last_page_len)
+            self._graph_kv_indices[:n].copy_(kv_indices, non_blocking=True)
+            self._small_decode = (
+                self._graph_kv_indptr[: bs + 1],
+                self._graph_kv_indices,
+                self._graph_kv_last_page_len[:bs],
+            )
+            return
+        self._small_decode = None
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -193,7 +223,6 @@ class FlashInferBackend(AttentionBackend):
         self._plan_decode(
             wrapper, torch.from_numpy(kv_indptr), kv_indices, torch.from_numpy(kv_last_page_len)
         )
-        self._out_cache_loc = out_cache_loc
 
     # ------------------------------------------------------------------------------------------
     # CUDA graphs of prefill / mixed batches
@@ -253,6 +282,7 @@ class FlashInferBackend(AttentionBackend):
             )
             self._share_scratch(wrapper)
             self._extend_wrappers[(bs, tokens)] = wrapper
+        self._small_decode = None
         self._plan_prefill(
             wrapper,
             torch.from_numpy(qo_indptr),
