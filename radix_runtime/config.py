@@ -36,6 +36,8 @@ class ServerArgs:
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
     enable_mixed_chunk: bool = False  # decodes ride along with prefill chunks in one batch
     disable_radix_cache: bool = False
+    # one step ahead: the next batch is built and sent while the worker computes this one
+    disable_overlap_schedule: bool = False
     radix_tree_impl: str = "auto"  # auto | cpp | python
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
@@ -95,6 +97,9 @@ _HELP = {
     "disable_radix_cache": "same code path, but nothing is reused across requests",
     "enable_mixed_chunk": "put decodes and prefill chunks in one batch (default: a step with "
     "prefill work runs only prefills; decode-only steps run as CUDA graphs)",
+    "disable_overlap_schedule": "schedule one step at a time (default: the scheduler builds and "
+    "sends the next batch while the worker computes the current one, decoders feeding the "
+    "token the worker just sampled on the device)",
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",

@@ -205,6 +205,10 @@ class ForwardReq(msgspec.Struct, omit_defaults=True):
     # repetition/frequency/presence penalties see the whole history
     history_ids: bytes = b""  # int32
     prior_output_ids: bytes = b""  # int32
+    # overlap schedule: the single input token is the one this slot sampled in the worker's
+    # latest step that sampled it (still on the device: the scheduler does not know it yet);
+    # input_ids must then be empty
+    from_last_sample: bool = False
 
 
 class ForwardBatch(_Msg):

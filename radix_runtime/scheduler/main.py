@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -26,6 +27,15 @@ logger = logging.getLogger("radix_runtime.scheduler")
 
 class WorkerLost(RuntimeError):
     pass
+
+
+@dataclass
+class InFlight:
+    """A step sent to the worker whose result is not processed yet."""
+
+    batch: m.ForwardBatch
+    plan: list
+    sent_at: float
 
 
 class SchedulerProcess:
@@ -123,9 +133,14 @@ class SchedulerProcess:
                 return
             self.handle(self._decode(frame, "tokenizer"))
 
-    def run_step(self, batch: m.ForwardBatch, plan) -> None:
-        t0 = time.perf_counter()
+    def send_batch(self, batch: m.ForwardBatch, plan) -> InFlight:
         self.to_worker.send(m.encode(batch), copy=False)
+        return InFlight(batch, plan, time.perf_counter())
+
+    def finish_step(self, step: InFlight) -> None:
+        """Wait for a sent step's result (the watchdog: at most --watchdog-timeout from its
+        sending, after the steps before it) and process it."""
+        batch, plan = step.batch, step.plan
         deadline = time.monotonic() + self.args.watchdog_timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -140,7 +155,7 @@ class SchedulerProcess:
             msg = self._recv_worker(timeout_ms=int(min(remaining, 1.0) * 1000) + 1)
             if isinstance(msg, m.ForwardResult) and msg.step == batch.step:
                 if logger.isEnabledFor(logging.DEBUG):
-                    self._log_step(batch, plan, msg, time.perf_counter() - t0)
+                    self._log_step(batch, plan, msg, time.perf_counter() - step.sent_at)
                 self.scheduler.process_result(plan, msg)
                 return
 
@@ -161,18 +176,31 @@ class SchedulerProcess:
     # -- the loop --------------------------------------------------------------------------
 
     def loop(self) -> None:
+        """Schedule, send, process. With the overlap schedule (the default), once step N is
+        sent the next one is built and sent before N's result is processed when that is easy
+        (`Scheduler.schedule_ahead`), so the worker receives N+1 while it computes N; otherwise
+        (and with --disable-overlap-schedule) N's result is processed first and the next step
+        is scheduled as usual."""
         sched = self.scheduler
         checked_idle = False
+        inflight: InFlight | None = None  # sent, result not processed yet
         while self.running:
-            self.drain_tokenizer(timeout_ms=0 if sched.has_work() else 500)
-            scheduled = sched.schedule()
-            if scheduled is not None:
-                self.run_step(*scheduled)
+            busy = sched.has_work() or inflight is not None
+            self.drain_tokenizer(timeout_ms=0 if busy else 500)
+            if inflight is None:
+                scheduled = sched.schedule()
+                if scheduled is not None:
+                    inflight = self.send_batch(*scheduled)
+            if inflight is not None:
+                ahead = sched.schedule_ahead(inflight.plan)
+                following = self.send_batch(*ahead) if ahead is not None else None
+                self.finish_step(inflight)
+                inflight = following
                 checked_idle = False
             outputs = sched.take_outputs()
             if outputs:
                 self.send_tok(m.BatchOutput(outputs=outputs))
-            if not sched.has_work() and not checked_idle:
+            if not sched.has_work() and inflight is None and not checked_idle:
                 sched.check_integrity()  # NOTE: a real check; a failure is a bug, so it is fatal
                 checked_idle = True
         self.to_worker.send(m.encode(m.ShutdownReq()))

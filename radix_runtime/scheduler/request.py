@@ -102,6 +102,9 @@ class Req:
     slot: int | None = None
     sent_pages: int = 0  # how many entries of `pages` the worker's page table already holds
     slot_started: bool = False  # the worker has seen this request in its slot
+    # only while Scheduler.schedule_ahead runs: output_ids[-1] is the token the in-flight step
+    # samples, unknown yet (the worker feeds it from the device: from_last_sample)
+    pending_token: bool = False
 
     # accounting
     cached_tokens: int = -1  # prefix length matched the first time the request was scheduled

@@ -8,6 +8,10 @@ continuing requests first, then new ones in policy order; otherwise it is a deco
 `--enable-mixed-chunk` every step is mixed: decodes first, prefill chunks fill the rest of the
 budget. Memory pressure is met by evicting cached prefixes first, then by retracting running
 requests (their computed KV goes into the tree, so the retry mostly hits the cache).
+
+Overlap (the default; `--disable-overlap-schedule` turns it off): while the worker computes step
+N, `schedule_ahead(plan N)` builds step N+1 before N's result is processed. See its docstring
+for what it covers, when it falls back, and why reusing pages stays safe.
 """
 
 from __future__ import annotations
@@ -46,11 +50,17 @@ logger = logging.getLogger(__name__)
 IN_BATCH_SHARE_THRESHOLD = 32
 
 
+# an output token sampled by the in-flight step, not known yet (only while schedule_ahead runs)
+PENDING_TOKEN = -1
+
+
 @dataclass
 class PlannedReq:
     req: Req
     num_tokens: int
     sample: bool
+    admitted: bool = False  # the request's first chunk after admission
+    start: int = -1  # kv_len the step starts from (run-ahead steps; checked when processed)
 
 
 class Scheduler:
@@ -159,44 +169,141 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[ForwardBatch, list[PlannedReq]] | None:
+        """The next step, with nothing in flight."""
+        plan = self._plan()
+        if not plan:
+            return None
+        return self._make_batch(plan), plan
+
+    def _plan(self, ahead: bool = False, shared_with: list[Req] = ()) -> list[PlannedReq] | None:
+        """The next step's rows. `ahead` (schedule_ahead): never retract or finish a request
+        here; None when that would be needed (the caller falls back)."""
         plan: list[PlannedReq] = []
         budget = self.args.chunked_prefill_size
         if self.args.enable_mixed_chunk:
-            self._schedule_decodes(plan)
+            if not self._schedule_decodes(plan, ahead):
+                return None
             budget = self._schedule_running_prefills(plan, max(budget - len(plan), 0))
-            self._schedule_waiting(plan, budget, self._decode_reserve())
+            self._schedule_waiting(plan, budget, self._decode_reserve(), shared_with)
         else:
             # prefill-first; the decoders' next pages stay free, so a prefill never forces a
             # retraction, and a prefill that cannot go now leaves the step to the decodes
             reserve = self._decode_reserve()
             budget = self._schedule_running_prefills(plan, budget, reserve)
-            self._schedule_waiting(plan, budget, reserve)
+            self._schedule_waiting(plan, budget, reserve, shared_with)
             if not plan:
                 running = len(self.running)
-                self._schedule_decodes(plan)
+                if not self._schedule_decodes(plan, ahead):
+                    return None
                 if not plan and len(self.running) < running:
-                    return self.schedule()  # every decoder left: their pages may fit a prefill
-        if not plan and len(self.running) > 1:
+                    return self._plan()  # every decoder left: their pages may fit a prefill
+        if not plan and len(self.running) > 1 and not ahead:
             # every running request is mid-prefill and none can grow: free the newest one's pages
             self._retract(max(self.running, key=lambda r: r.arrival))
-            return self.schedule()
-        if not plan:
-            return None
+            return self._plan()
+        return plan or None
+
+    def _make_batch(self, plan: list[PlannedReq]) -> ForwardBatch:
         self.step_id += 1
-        batch = ForwardBatch(
+        return ForwardBatch(
             step=self.step_id,
             reqs=[self._forward_req(p) for p in plan],
             released_slots=self._take_released_slots(),
         )
+
+    # -----------------------------------------------------------------------------------------
+    # the overlap schedule: one step ahead
+
+    def schedule_ahead(
+        self, inflight: list[PlannedReq]
+    ) -> tuple[ForwardBatch, list[PlannedReq]] | None:
+        """Step N+1, built while step N (`inflight`, sent, its result not processed) runs on the
+        worker; None when it is not easy, and the caller processes N's result first and then
+        schedules as usual (`schedule()`).
+
+        How: N's rows are advanced as if N's result were processed, its sampled tokens being
+        unknown (`PENDING_TOKEN`), then the usual step is planned; a request whose token is
+        pending decodes with `from_last_sample` (the worker feeds it the token its slot just
+        sampled, on the device). Requests that N finishes by length (max_new_tokens, context,
+        prefill-only) stay out of N+1: that is known without the token. Then the advance is
+        undone: `process_result(N)` applies N's result as always, and `process_result(N+1)`
+        finds each row's request where N+1 expected it (`PlannedReq.start`).
+
+        Fall-back cases (None): the overlap schedule is off; the step would need a retraction,
+        or to finish a request that cannot grow (memory pressure); nothing to schedule.
+
+        Requests finished by N's result (EOS or a stop token id: unknown until then) or aborted
+        while N+1 runs have their N+1 row discarded by `process_result` (the request is no longer
+        running). Their release inserts only the KV that `kv_len` counts (N's tokens, never the
+        token N+1 feeds: its K/V lands in a page past the last full page inserted, which is
+        freed, or in a partial page, also freed) and frees the page(s) N+1 took for them.
+
+        Why freeing and reusing pages while a step runs is safe: the worker runs steps in the
+        order they are sent, on one CUDA stream. A page freed while processing N's result (or
+        on an abort) can only be handed out by a batch built afterwards, i.e. N+2 or later,
+        whose kernels run after N+1's: every read or write of the page by N and N+1 (the
+        discarded row included) precedes the new owner's writes, and the new owner reads only
+        positions it has written. Pages evicted from the tree while building N+1 are unlocked,
+        so no running request (no row of N) reads them; a request aborted during N whose pages
+        are reused by N+1 is read by N before N+1 writes. Tree insertions made while processing
+        N cover only KV that N or earlier steps computed, and are read only by later steps.
+        Duplicate pages swapped for the tree's while processing N (`_cache_unfinished`) may
+        still be read by N+1 (they hold the same valid K/V until a later step reuses them);
+        N+1 never writes into them (it writes past the inserted full pages).
+        """
+        if self.args.disable_overlap_schedule:
+            return None
+        rows = [p for p in inflight if p.req.state is ReqState.RUNNING]
+        finishing = set()
+        for p in rows:
+            req = p.req
+            if p.sample:
+                if (
+                    len(req.output_ids) + 1 >= req.sampling.max_new_tokens
+                    or req.all_len + 1 >= self.context_length
+                ):
+                    finishing.add(id(req))
+            elif req.prefill_only and req.kv_len + p.num_tokens >= req.all_len:
+                finishing.add(id(req))
+        for p in rows:  # advance as if N's result were in
+            p.req.kv_len += p.num_tokens
+            if p.sample:
+                p.req.output_ids.append(PENDING_TOKEN)
+                p.req.pending_token = True
+        saved = self.running
+        self.running = [r for r in saved if id(r) not in finishing]
+        plan: list[PlannedReq] | None = None
+        batch = None
+        try:
+            admitted_in_n = [p.req for p in rows if p.admitted]
+            plan = self._plan(ahead=True, shared_with=admitted_in_n)
+            if plan:
+                for p in plan:
+                    p.start = p.req.kv_len
+                batch = self._make_batch(plan)
+        finally:
+            kept = {id(r) for r in saved}
+            self.running = saved + [r for r in self.running if id(r) not in kept]
+            for p in rows:  # undo the advance
+                p.req.kv_len -= p.num_tokens
+                if p.sample:
+                    p.req.output_ids.pop()
+                    p.req.pending_token = False
+        if batch is None:
+            return None
         return batch, plan
 
-    def _schedule_decodes(self, plan: list[PlannedReq]) -> None:
+    def _schedule_decodes(self, plan: list[PlannedReq], ahead: bool = False) -> bool:
+        """Every decoding request gets one token. False (nothing changed) when `ahead` and that
+        needs a retraction."""
         decoders = [r for r in self.running if r.is_decoding]
         # every decoder whose next token starts a new page needs one; retract until they fit
         while decoders:
             need = sum(1 for r in decoders if self._pages_needed(r, 1) > 0)
             if self._available_pages() >= need:
                 break
+            if ahead:
+                return False
             victim = max(decoders, key=lambda r: r.arrival)
             if len(self.running) == 1:
                 # alone and out of memory: it can never grow, so it ends here
@@ -217,6 +324,7 @@ class Scheduler:
         plan.extend(PlannedReq(req, 1, True) for req in decoders)
         if decoders:
             self.decode_steps += 1
+        return True
 
     def _schedule_running_prefills(
         self, plan: list[PlannedReq], budget: int, reserve: int = 0
@@ -233,9 +341,12 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, plan: list[PlannedReq], budget: int, reserve: int) -> None:
+    def _schedule_waiting(
+        self, plan: list[PlannedReq], budget: int, reserve: int, shared_with: list[Req] = ()
+    ) -> None:
         """Admit waiting requests in policy order; `reserve` pages stay free for the running
-        decoders' next tokens, so an admission never forces a retraction."""
+        decoders' next tokens, so an admission never forces a retraction. `shared_with`: requests
+        admitted in the step still in flight (their prefixes are not in the tree yet)."""
         if not self.waiting or budget <= 0:
             return
         matches = {}
@@ -253,7 +364,7 @@ class Scheduler:
             match_len=lambda r: ordering_match(r).length,
             match_node=lambda r: ordering_match(r).node,
         )
-        admitted: list[Req] = []
+        admitted: list[Req] = list(shared_with)
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.max_running or not self.free_slots:
                 break
@@ -280,7 +391,8 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             admitted.append(req)
-            plan.append(PlannedReq(req, n, req.kv_len + n == req.all_len and not req.prefill_only))
+            sample = req.kv_len + n == req.all_len and not req.prefill_only
+            plan.append(PlannedReq(req, n, sample, admitted=True))
             budget -= n
 
     def _decode_reserve(self) -> int:
@@ -313,7 +425,13 @@ class Scheduler:
         req = p.req
         new_slot = not req.slot_started
         start = req.kv_len
-        ids = req.ids_slice(start, start + p.num_tokens)
+        # run-ahead: the token the in-flight step samples is fed from the worker's device
+        from_last = req.pending_token and start + p.num_tokens == req.all_len
+        if from_last:
+            assert p.num_tokens == 1 and not new_slot, "a pending token is one decode token"
+            ids = np.zeros(0, np.int32)
+        else:
+            ids = req.ids_slice(start, start + p.num_tokens)
         want_prompt_lp = req.logprob_start_len >= 0 and start < len(req.prompt)
         next_token = -1
         if want_prompt_lp and start + p.num_tokens < len(req.prompt):
@@ -331,6 +449,7 @@ class Scheduler:
             top_logprobs_num=req.top_logprobs_num,
             prompt_logprobs=want_prompt_lp,
             next_token=next_token,
+            from_last_sample=from_last,
         )
         if new_slot and req.sampling.needs_penalties:
             fr.history_ids = pack_ids(req.ids_slice(0, start))
@@ -346,9 +465,14 @@ class Scheduler:
         outputs = self.outbox
         for p, res in zip(plan, result.results):
             req = p.req
-            if req.state is not ReqState.RUNNING:  # aborted while the step ran
+            if req.state is not ReqState.RUNNING:
+                # aborted while the step ran, or (a run-ahead row) finished by the step before
                 continue
             start = req.kv_len
+            if p.start >= 0 and start != p.start:
+                raise AssertionError(
+                    f"{req.rid}: a run-ahead step computed from {p.start}, the request is at {start}"
+                )
             req.kv_len += p.num_tokens
             out = ReqOutput(
                 rid=req.rid, prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens

@@ -36,6 +36,15 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+def upload(dst: torch.Tensor, host: np.ndarray) -> None:
+    """Copy a host array into a device buffer without waiting for the stream (through pinned
+    memory; a plain copy from pageable memory would sync, stalling the overlap schedule)."""
+    src = torch.from_numpy(host)
+    if dst.is_cuda:
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=True)
+
+
 def capture(run, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """A graph of `run()` (its output tensor with it), sharing the memory pool `pool`. Two
     warm-up runs on a side stream first: Triton compiles, cuBLAS picks kernels and workspaces."""
@@ -102,17 +111,24 @@ class CudaGraphRunner:
         self.graphs[bs], self.outputs[bs] = capture(lambda: self._run_model(bs), pool)
         return self.graphs[bs].pool()
 
-    def replay(self, meta: AttentionMetadata) -> torch.Tensor:
+    def replay(
+        self, meta: AttentionMetadata, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run a decode-only batch of B <= max_bs rows; returns float32 logits [B, vocab], a view
-        into the graph's output buffer (valid until the next replay)."""
+        into the graph's output buffer (valid until the next replay). `input_ids` (device, [B]):
+        the token ids, when the host does not know them all (the overlap schedule's
+        from_last_sample rows); else they come from `meta.input_ids_cpu`."""
         b = meta.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         pad = bs - b
-        host = np.zeros((3, bs), dtype=np.int64)  # padding rows: token 0, position 0, location 0
-        host[0, :b] = meta.input_ids_cpu
+        host = np.zeros((3, self.max_bs), dtype=np.int64)  # padding: token 0, position 0, loc 0
+        if input_ids is None:
+            host[0, :b] = meta.input_ids_cpu
         host[1, :b] = meta.positions_cpu
         host[2, :b] = meta.out_cache_loc_cpu
-        self.inputs[:, :bs].copy_(torch.from_numpy(host))
+        upload(self.inputs, host)  # stream order: after the previous step's graph read them
+        if input_ids is not None:
+            self.inputs[0, :b].copy_(input_ids)
         kv_indptr = meta.kv_indptr_cpu
         last_page_len = meta.kv_last_page_len_cpu
         if pad:  # each padding row: one token of one page
@@ -275,9 +291,16 @@ class ExtendGraphRunner:
         hidden = self.model(self.ids[:tokens], self.positions[:tokens], self.attn, self.kv_pool)
         return self.model.compute_logits(hidden[self.rows[:bs]])
 
-    def _plan(self, meta: AttentionMetadata | None, bs: int, tokens: int) -> None:
+    def _plan(
+        self,
+        meta: AttentionMetadata | None,
+        bs: int,
+        tokens: int,
+        input_ids: torch.Tensor | None = None,
+    ) -> None:
         """Pad the batch (None: nothing but padding, for the capture) to (bs, tokens), fill the
-        input buffers with one copy and plan the attention for the shape."""
+        input buffers with one copy (then the real token ids from `input_ids` when given, a
+        device tensor) and plan the attention for the shape."""
         t = self.max_tokens
         if meta is None:
             empty = np.zeros(0, np.int64)
@@ -292,7 +315,9 @@ class ExtendGraphRunner:
         host = np.zeros(3 * t + self.max_reqs, np.int64)
         host[:tokens], host[t : t + tokens] = pad.input_ids, pad.positions
         host[2 * t : 2 * t + tokens], host[3 * t : 3 * t + bs] = pad.out_cache_loc, pad.rows
-        self.flat.copy_(torch.from_numpy(host))
+        upload(self.flat, host)
+        if input_ids is not None and meta is not None:
+            self.ids[: meta.num_tokens].copy_(input_ids)
         # the pages past the real ones (padding, extension) are whatever the shared index
         # buffer holds there: stale but valid ids, only read, by rows whose outputs are dropped
         self.attn.plan_extend_graph(
@@ -306,15 +331,18 @@ class ExtendGraphRunner:
         self.graphs[shape], self.outputs[shape] = capture(lambda: self._run_model(*shape), pool)
         return self.graphs[shape].pool()
 
-    def replay(self, meta: AttentionMetadata) -> torch.Tensor | None:
+    def replay(
+        self, meta: AttentionMetadata, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """float32 logits [B, vocab] of each request's last row (a view into the graph's output,
-        valid until the next replay), or None when no captured shape holds the batch."""
+        valid until the next replay), or None when no captured shape holds the batch.
+        `input_ids` (device, [N]): the token ids when the host does not know them all."""
         shape = pick_extend_shape(
             self.req_sizes, self.token_sizes, meta.batch_size, meta.num_tokens
         )
         if shape is None:
             return None
-        self._plan(meta, *shape)
+        self._plan(meta, *shape, input_ids)
         self.graphs[shape].replay()
         self.replays += 1
         return self.outputs[shape][: meta.batch_size]

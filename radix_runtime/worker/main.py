@@ -2,6 +2,14 @@
 
 Owns tensors only: weights, the KV pool, attention metadata, sampling. It is told which pages each
 request reads and writes and keeps no request policy.
+
+The loop keeps up to one step in flight beyond the one being collected: a batch is launched
+(`ModelRunner.launch`: host preparation, then all device work queued) as soon as it arrives, and
+only then is the previous step collected and its result sent, so the device already holds the
+next step while the host waits. While a step is pending and no batch has arrived, the loop waits
+for whichever comes first, the step finishing (its result goes out at once: a result is never
+held back for the next batch) or a new batch (launched first, then the pending step collected).
+Results go out in step order.
 """
 
 from __future__ import annotations
@@ -46,7 +54,26 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
         raise SystemExit(2) from exc
     outbox.send(m.encode(runner.ready_info()))
     hang_at = int(os.environ.get(HANG_AT_STEP_ENV, "0") or 0)
+
+    def fail(what: str, exc: Exception) -> None:
+        logger.exception("%s failed", what)
+        outbox.send(m.encode(m.FatalError(role="worker", message=f"{type(exc).__name__}: {exc}")))
+        time.sleep(0.2)
+        raise SystemExit(2) from exc
+
+    def finish(pending) -> None:
+        try:
+            result = runner.collect(pending)
+        except Exception as exc:
+            fail(f"forward step {pending.step}", exc)
+        outbox.send(m.encode(result), copy=False)
+
+    pending = None  # the launched step whose result is not sent yet
     while True:
+        if pending is not None and not wait_for_batch(inbox, pending):
+            finish(pending)  # it is done and nothing new came: never hold a result back
+            pending = None
+            continue
         frame = inbox.recv()
         try:
             msg = m.decode(frame)
@@ -55,22 +82,38 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
             continue
         if isinstance(msg, m.ForwardBatch):
             if hang_at and msg.step >= hang_at:
+                if pending is not None:  # the steps before it complete
+                    finish(pending)
                 logger.warning("fault injection: hanging at step %d", msg.step)
                 time.sleep(1e9)
             try:
-                result = runner.forward(msg)
+                launched = runner.launch(msg)
             except Exception as exc:
-                logger.exception("forward step %d failed", msg.step)
-                outbox.send(
-                    m.encode(m.FatalError(role="worker", message=f"{type(exc).__name__}: {exc}"))
-                )
-                time.sleep(0.2)
-                raise SystemExit(2) from exc
-            outbox.send(m.encode(result), copy=False)
+                fail(f"forward step {msg.step}", exc)
+            if pending is not None:  # the device already holds `launched` behind it
+                finish(pending)
+            pending = launched
         elif isinstance(msg, m.ShutdownReq):
             return
         else:
             logger.warning("ignored an unexpected %s", type(msg).__name__)
+
+
+# while a step runs on the device, spin (poll the socket, query the step's event) this long
+# (a decode step is a few ms, and cudaEventSynchronize spins too by default); past it, poll with
+# a 1 ms timeout, so a long step does not keep a core busy
+_SPIN_S = 0.5
+
+
+def wait_for_batch(inbox, pending) -> bool:
+    """Wait until `pending` is done (False) or a frame arrives (True), whichever is first."""
+    if inbox.poll(0):
+        return True
+    spin_until = time.perf_counter() + _SPIN_S
+    while not pending.ready():
+        if inbox.poll(0 if time.perf_counter() < spin_until else 1):
+            return True
+    return False
 
 
 def main() -> None:

@@ -7,6 +7,15 @@ no policy: the scheduler says which pages each request reads and writes. One ste
     3. run the model over the flat batch of new tokens,
     4. compute logits only on the rows that need them (the last row of a sampled request; every
        row of a request that asked for prompt logprobs), sample, and pack the results.
+
+A step is split in two for the overlap schedule: `launch(batch)` does the host preparation and
+enqueues all device work, sampling included, without waiting for the device: the sampled ids
+land in `last_sampled[slot]` (device) and are copied asynchronously into pinned host memory,
+then a CUDA event is recorded. `collect(pending)` waits on that event and builds the
+`ForwardResult`. A request with `from_last_sample` feeds the token its slot sampled in the latest
+launched step that sampled it: gathered on the device from `last_sampled`, so the next step can be
+queued before the host has seen the token. `forward(batch) == collect(launch(batch))`. On the CPU
+the same code runs: launch does the work, collect packs it.
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.kv_pool import KVPool, num_pages_for
 from radix_runtime.worker.loader import load_model
-from radix_runtime.worker.sampler import Sampler, target_logprobs
+from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs, to_device
 
 logger = logging.getLogger(__name__)
 
+_PLACEHOLDER = np.zeros(1, np.int32)  # a from_last_sample row's input id on the host
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,6 +68,25 @@ class _StepLayout:
     logit_ranges: list[tuple[int, int]]  # per request, its rows within `logit_rows`
 
 
+@dataclass
+class PendingStep:
+    """A launched step: its device work is queued; `collect` waits for it and packs the result."""
+
+    step: int
+    reqs: list[m.ForwardReq]
+    t0: float
+    sample: DeviceSample | None = None  # the sampled rows' tokens (and logprobs), on the device
+    sampled: list[int] | None = None  # indices into `reqs` of the requests that sampled
+    prompt_rows: list[int] | None = None  # indices into `reqs` of the prompt-logprob requests
+    host: list[torch.Tensor] | None = None  # sample.tensors() + prompt logprobs, on the host
+    event: torch.cuda.Event | None = None  # recorded after the device-to-host copies
+    logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
+
+    def ready(self) -> bool:
+        """True when `collect` would not wait (always, off CUDA)."""
+        return self.event is None or self.event.query()
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
@@ -79,6 +108,11 @@ class ModelRunner:
         # req_to_page[slot, i]: the page holding positions [i * page_size, (i + 1) * page_size)
         self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
         self.sampler = Sampler(c.vocab_size, self.device, args.seed)
+        # the token each slot sampled last (device), and whether it sampled one since its reset
+        self.last_sampled = torch.zeros(
+            args.max_running_requests, dtype=torch.long, device=self.device
+        )
+        self.has_sample = np.zeros(args.max_running_requests, dtype=bool)
         if self._fused_ops_available():
             self.model.enable_fused_ops()
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -157,31 +191,94 @@ class ModelRunner:
         )
 
     def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
-        return self._forward(batch, keep_logits=False)[0]
+        return self.collect(self.launch(batch))
 
     def forward_with_logits(
         self, batch: m.ForwardBatch
     ) -> tuple[m.ForwardResult, list[torch.Tensor | None]]:
         """The step, plus each request's float32 logits rows (for tests; None where none were computed)."""
-        return self._forward(batch, keep_logits=True)
+        pending = self.launch(batch, keep_logits=True)
+        return self.collect(pending), pending.logits or []
 
     @torch.inference_mode()
-    def _forward(
-        self, batch: m.ForwardBatch, keep_logits: bool
-    ) -> tuple[m.ForwardResult, list[torch.Tensor | None]]:
+    def launch(self, batch: m.ForwardBatch, keep_logits: bool = False) -> PendingStep:
+        """Prepare the step on the host and enqueue all of its device work (model, sampling, the
+        copies of the results to the host); nothing waits for the device."""
         t0 = time.perf_counter()
         for slot in batch.released_slots:
             self.sampler.release(slot)
+            if 0 <= slot < len(self.has_sample):
+                self.has_sample[slot] = False
+        pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
         if not batch.reqs:
-            return m.ForwardResult(step=batch.step, results=[]), []
-        layout = self._prepare(batch.reqs)
+            return pending
+        reqs = batch.reqs
+        layout = self._prepare(reqs)
         logits = self._logits(layout, keep_logits)
         per_req = [logits[a:b] if b > a else None for a, b in layout.logit_ranges]
-        results = self._results(batch.reqs, layout, logits, per_req)
-        if self.device.type == "cuda":  # a step that returns no values would not wait otherwise
-            torch.cuda.synchronize(self.device)
-        forward_s = time.perf_counter() - t0
-        return m.ForwardResult(step=batch.step, results=results, forward_s=forward_s), per_req
+        fetch: list[torch.Tensor] = []
+        sampled = [i for i, r in enumerate(reqs) if r.sample]
+        if sampled:
+            last_rows = [layout.logit_ranges[i][1] - 1 for i in sampled]
+            rows = logits
+            if len(last_rows) < len(logits):  # prompt-logprob rows in between
+                rows = logits[to_device(last_rows, torch.long, self.device)]
+            slots = [reqs[i].slot for i in sampled]
+            out = self.sampler.sample_on_device(
+                rows,
+                slots,
+                [reqs[i].return_logprob for i in sampled],
+                [reqs[i].top_logprobs_num for i in sampled],
+            )
+            self.last_sampled[to_device(slots, torch.long, self.device)] = out.next_ids
+            self.has_sample[slots] = True
+            pending.sample, pending.sampled = out, sampled
+            fetch.extend(out.tensors())
+        pending.prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs]
+        for i in pending.prompt_rows:
+            fetch.append(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
+        pending.host, pending.event = self._copy_to_host(fetch)
+        if keep_logits:
+            pending.logits = per_req
+        return pending
+
+    def collect(self, pending: PendingStep) -> m.ForwardResult:
+        """Wait for a launched step and pack its result."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        results = [m.ForwardReqResult() for _ in pending.reqs]
+        host = pending.host or []
+        used = 0
+        if pending.sample is not None:
+            used = len(pending.sample.tensors())
+            out = pending.sample.to_host(host[:used])
+            for j, i in enumerate(pending.sampled):
+                res = results[i]
+                res.next_id = out.next_ids[j]
+                res.logprob = out.logprobs[j]
+                if pending.reqs[i].top_logprobs_num > 0:
+                    res.top_ids = m.pack_ids(out.top_ids[j])
+                    res.top_logprobs = m.pack_floats(out.top_logprobs[j])
+        for i, lps in zip(pending.prompt_rows or [], host[used:]):
+            results[i].prompt_logprobs = m.pack_floats(lps.numpy().astype(np.float32))
+        forward_s = time.perf_counter() - pending.t0
+        return m.ForwardResult(step=pending.step, results=results, forward_s=forward_s)
+
+    def _copy_to_host(
+        self, tensors: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Queue copies of `tensors` into pinned host memory and an event after them (on the
+        CPU the tensors already are host tensors)."""
+        if self.device.type != "cuda":
+            return [t.detach() for t in tensors], None
+        host = []
+        for t in tensors:
+            h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     def _logits(self, layout: _StepLayout, keep: bool) -> torch.Tensor:
         """float32 logits of `layout.logit_rows`: a CUDA graph replay for decode-only batches
@@ -190,25 +287,29 @@ class ModelRunner:
         else plan + an eager forward."""
         meta = layout.meta
         logits = None
+        # the graphs read the token ids from the device tensor: from_last_sample rows are only
+        # known there (meta.input_ids_cpu holds 0 for them)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
-            logits = self.cuda_graphs.replay(meta)
+            logits = self.cuda_graphs.replay(meta, layout.input_ids)
         elif self.extend_graphs is not None and all(b - a <= 1 for a, b in layout.logit_ranges):
-            logits = self.extend_graphs.replay(meta)  # None: no captured shape holds it
+            # None: no captured shape holds it
+            logits = self.extend_graphs.replay(meta, layout.input_ids)
         if logits is not None:  # one row per request, its last
             if len(layout.logit_rows) < meta.batch_size:  # some chunk samples nothing
                 wanted = [i for i, (a, b) in enumerate(layout.logit_ranges) if b > a]
-                return logits[torch.tensor(wanted, dtype=torch.long, device=self.device)]
+                return logits[to_device(wanted, torch.long, self.device)]
             return logits.clone() if keep else logits
         self.attn.plan(meta)
         hidden = self.model(layout.input_ids, meta.positions, self.attn, self.kv_pool)
-        rows = torch.from_numpy(layout.logit_rows).to(self.device)
+        rows = to_device(layout.logit_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
 
     # ------------------------------------------------------------------------------------------
     # step preparation
 
     def _prepare(self, reqs: list[m.ForwardReq]) -> _StepLayout:
-        ids = [m.unpack_ids(r.input_ids) for r in reqs]
+        # from_last_sample rows: one placeholder token (0) here, the real one gathered below
+        ids = [_PLACEHOLDER if r.from_last_sample else m.unpack_ids(r.input_ids) for r in reqs]
         if len({r.slot for r in reqs}) != len(reqs):
             raise ValueError("a batch holds the same slot twice")
         for r, req_ids in zip(reqs, ids):
@@ -235,7 +336,15 @@ class ModelRunner:
             qo_lens, prefix_lens, seq_lens, num_pages, page_rows, input_ids_cpu, positions,
             out_cache_loc,
         )  # fmt: skip
-        input_ids = torch.from_numpy(input_ids_cpu).to(self.device)
+        input_ids = to_device(input_ids_cpu, torch.long, self.device)
+        from_last = [i for i, r in enumerate(reqs) if r.from_last_sample]
+        if from_last:  # the tokens these slots sampled last, never leaving the device
+            index = to_device(
+                [meta.qo_indptr_cpu[from_last], [reqs[i].slot for i in from_last]],
+                torch.long,
+                self.device,
+            )
+            input_ids[index[0]] = self.last_sampled[index[1]]
         self._observe_fed(reqs, input_ids, meta.qo_indptr_cpu)
         logit_rows, logit_ranges = self._logit_rows(reqs, meta.qo_indptr_cpu)
         return _StepLayout(input_ids, meta, ids, logit_rows, logit_ranges)
@@ -246,6 +355,8 @@ class ModelRunner:
             raise ValueError(f"slot {r.slot} is outside [0, {self.req_to_page.shape[0]})")
         if n_new == 0:
             raise ValueError(f"slot {r.slot}: a forward request needs at least one input token")
+        if r.from_last_sample and r.input_ids:
+            raise ValueError(f"slot {r.slot}: from_last_sample with input_ids")
         if r.start_pos + n_new > self.context_length:
             raise ValueError(
                 f"slot {r.slot}: {r.start_pos + n_new} tokens exceed the context length"
@@ -258,8 +369,11 @@ class ModelRunner:
                 history=m.unpack_ids(r.history_ids),
                 prior_outputs=m.unpack_ids(r.prior_output_ids),
             )
+            self.has_sample[r.slot] = False
         elif r.slot not in self.sampler.slots:
             raise ValueError(f"slot {r.slot} was never opened with new_slot=True")
+        if r.from_last_sample and not self.has_sample[r.slot]:
+            raise ValueError(f"slot {r.slot}: from_last_sample, but the slot has sampled nothing")
         pages = m.unpack_ids(r.new_pages)
         if len(pages):
             if pages.max() >= self.kv_pool.num_pages or pages.min() < 1:
@@ -314,7 +428,9 @@ class ModelRunner:
     def _to_device(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
         """One copy of the concatenated arrays; returns contiguous views, one per array."""
         flat = np.concatenate(arrays).astype(dtype, copy=False)
-        return list(torch.from_numpy(flat).to(self.device).split([len(a) for a in arrays]))
+        torch_dtype = torch.int32 if dtype is np.int32 else torch.long
+        device = to_device(torch.from_numpy(flat), torch_dtype, self.device)
+        return list(device.split([len(a) for a in arrays]))
 
     def _observe_fed(
         self, reqs: list[m.ForwardReq], input_ids: torch.Tensor, qo_indptr: np.ndarray
@@ -342,47 +458,15 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------
     # results
 
-    def _results(
-        self,
-        reqs: list[m.ForwardReq],
-        layout: _StepLayout,
-        logits: torch.Tensor,
-        per_req: list[torch.Tensor | None],
-    ) -> list[m.ForwardReqResult]:
-        results = [m.ForwardReqResult() for _ in reqs]
-        sampled = [i for i, r in enumerate(reqs) if r.sample]
-        if sampled:
-            last_rows = [layout.logit_ranges[i][1] - 1 for i in sampled]
-            if len(last_rows) < len(logits):  # prompt-logprob rows in between
-                logits = logits[torch.tensor(last_rows, device=logits.device)]
-            out = self.sampler.sample(
-                logits,
-                [reqs[i].slot for i in sampled],
-                [reqs[i].return_logprob for i in sampled],
-                [reqs[i].top_logprobs_num for i in sampled],
-            )
-            for j, i in enumerate(sampled):
-                res = results[i]
-                res.next_id = out.next_ids[j]
-                res.logprob = out.logprobs[j]
-                if reqs[i].top_logprobs_num > 0:
-                    res.top_ids = m.pack_ids(out.top_ids[j])
-                    res.top_logprobs = m.pack_floats(out.top_logprobs[j])
-        for i, r in enumerate(reqs):
-            if r.prompt_logprobs:
-                results[i].prompt_logprobs = m.pack_floats(
-                    self._prompt_logprobs(r, layout.ids[i], per_req[i])
-                )
-        return results
-
     def _prompt_logprobs(
         self, r: m.ForwardReq, ids: np.ndarray, logits: torch.Tensor
-    ) -> np.ndarray:
-        """logprob of input_ids[1:] (and next_token when known), each given everything before it."""
+    ) -> torch.Tensor:
+        """logprob of input_ids[1:] (and next_token when known), each given everything before it
+        (float32, on the device)."""
         targets = ids[1:].astype(np.int64)
         if r.next_token >= 0:
             targets = np.append(targets, r.next_token)
         if len(targets) == 0:
-            return np.zeros(0, np.float32)
-        t = torch.from_numpy(targets).to(self.device)
-        return target_logprobs(logits[: len(targets)], t).cpu().numpy().astype(np.float32)
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
+        t = to_device(targets, torch.long, self.device)
+        return target_logprobs(logits[: len(targets)], t).float()

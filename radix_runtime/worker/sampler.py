@@ -13,6 +13,10 @@ temperature (as vLLM's default and OpenAI's API): they score the model, not the 
 Draws use the exponential race (argmax of p / Exp(1) noise), which equals a multinomial draw
 but lets every seeded request draw its noise from its own generator inside one batched op:
 a seeded request gives the same tokens whatever else is in the batch.
+
+`sample_on_device` enqueues everything and returns device tensors (no host sync on CUDA: index
+lists go up through pinned memory, nothing is read back), so the runner can queue the next
+step before this one's tokens are known; `sample` is the same plus the read-back.
 """
 
 from __future__ import annotations
@@ -44,6 +48,55 @@ class SampleOutput:
     logprobs: list[float]  # 0.0 where not asked for
     top_ids: list[np.ndarray]  # int32 [k] per row (k = 0 where not asked for)
     top_logprobs: list[np.ndarray]  # float32 [k]
+
+
+@dataclass
+class DeviceSample:
+    """What `sample_on_device` enqueued: device tensors, valid once the stream reaches them."""
+
+    next_ids: torch.Tensor  # [B] int64
+    return_logprob: list[bool]
+    top_logprobs_num: list[int]
+    lp_rows: list[int]  # rows that asked for a logprob or top logprobs
+    chosen: torch.Tensor | None = None  # [len(lp_rows)] float32: logprob of the sampled token
+    top_vals: torch.Tensor | None = None  # [len(lp_rows), k] float32
+    top_idx: torch.Tensor | None = None  # [len(lp_rows), k] int64
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the host needs, in the order `to_host` takes them back."""
+        if not self.lp_rows:
+            return [self.next_ids]
+        return [self.next_ids, self.chosen, self.top_vals, self.top_idx]
+
+    def to_host(self, host: list[torch.Tensor]) -> SampleOutput:
+        """`host`: `tensors()` copied to the host (after the copies completed)."""
+        n = len(self.return_logprob)
+        empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+        out = SampleOutput(host[0].tolist(), [0.0] * n, [empty_i] * n, [empty_f] * n)
+        if not self.lp_rows:
+            return out
+        chosen = host[1].tolist()
+        top_vals, top_idx = host[2].numpy(), host[3].numpy().astype(np.int32)
+        for j, i in enumerate(self.lp_rows):
+            out.logprobs[i] = chosen[j] if self.return_logprob[i] else 0.0
+            ki = self.top_logprobs_num[i]
+            out.top_ids[i], out.top_logprobs[i] = top_idx[j, :ki], top_vals[j, :ki]
+        return out
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list/array on `device` without a host sync: on CUDA through pinned memory and a
+    non-blocking copy (a plain `.to(device)` or `torch.tensor(..., device=cuda)` waits for the
+    stream to drain, which would stall the overlap schedule)."""
+    if isinstance(values, torch.Tensor):
+        t = values
+    else:
+        a = np.asarray(values)
+        t = torch.from_numpy(a) if a.flags.writeable else torch.tensor(a)
+    t = t.to(dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -78,9 +131,9 @@ class Sampler:
             state.output_counts = torch.zeros(self.vocab_size, device=self.device)
             state.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             if history is not None and len(history):
-                state.seen[torch.from_numpy(history.astype(np.int64)).to(self.device)] = True
+                state.seen.index_fill_(0, to_device(history, torch.long, self.device), True)
             if prior_outputs is not None and len(prior_outputs):
-                ids = torch.from_numpy(prior_outputs.astype(np.int64)).to(self.device)
+                ids = to_device(prior_outputs, torch.long, self.device)
                 state.output_counts += torch.bincount(ids, minlength=self.vocab_size)[
                     : self.vocab_size
                 ].float()
@@ -88,8 +141,8 @@ class Sampler:
         if len(bias) != len(params.logit_bias):
             logger.warning("dropped logit_bias entries outside the vocabulary")
         if bias:
-            state.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=self.device)
-            state.bias_values = torch.tensor(list(bias.values()), device=self.device)
+            state.bias_ids = to_device(list(bias), torch.long, self.device)
+            state.bias_values = to_device(list(bias.values()), torch.float32, self.device)
         self.slots[slot] = state
 
     def release(self, slot: int) -> None:
@@ -99,7 +152,7 @@ class Sampler:
         """Tokens fed to the model (prompt chunks, or the previous output) count as seen."""
         state = self.slots[slot]
         if state.seen is not None:
-            state.seen[ids] = True
+            state.seen.index_fill_(0, ids, True)  # `seen[ids] = True` would sync (a host scalar)
 
     # ------------------------------------------------------------------------------------------
     # sampling
@@ -112,6 +165,17 @@ class Sampler:
         top_logprobs_num: list[int],
     ) -> SampleOutput:
         """One next token per row of `logits` [B, V] (float32), row i belonging to slots[i]."""
+        out = self.sample_on_device(logits, slots, return_logprob, top_logprobs_num)
+        return out.to_host([t.cpu() for t in out.tensors()])
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        slots: list[int],
+        return_logprob: list[bool],
+        top_logprobs_num: list[int],
+    ) -> DeviceSample:
+        """`sample` without reading anything back: the tokens (and logprobs) stay on the device."""
         states = [self.slots[s] for s in slots]
         if (
             not any(return_logprob)
@@ -121,22 +185,24 @@ class Sampler:
                 for st in states
             )
         ):  # plain greedy rows (benchmarks, most tests): one argmax, no copies
-            n = len(states)
-            empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
-            next_ids = logits.argmax(dim=-1).tolist()
-            return SampleOutput(next_ids, [0.0] * n, [empty_i] * n, [empty_f] * n)
+            return DeviceSample(logits.argmax(dim=-1), return_logprob, top_logprobs_num, [])
         shaped = self._apply_bias_and_penalties(logits.clone(), states)
         next_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
         greedy = [i for i, st in enumerate(states) if st.params.greedy]
         drawn = [i for i, st in enumerate(states) if not st.params.greedy]
-        if greedy:
-            next_ids[greedy] = shaped[greedy].argmax(dim=-1)
-        if drawn:
-            next_ids[drawn] = self._draw(shaped[drawn], [states[i] for i in drawn])
+        if not drawn:
+            next_ids = shaped.argmax(dim=-1)
+        elif not greedy:
+            next_ids = self._draw(shaped, states)
+        else:
+            g, d = self._index(greedy), self._index(drawn)
+            next_ids[g] = shaped[g].argmax(dim=-1)
+            next_ids[d] = self._draw(shaped[d], [states[i] for i in drawn])
         self._count_outputs(next_ids, states)
-        out = self._logprobs(logits, next_ids, return_logprob, top_logprobs_num)
-        out.next_ids = next_ids.tolist()
-        return out
+        return self._logprobs(logits, next_ids, return_logprob, top_logprobs_num)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return to_device(rows, torch.long, self.device)
 
     def _apply_bias_and_penalties(
         self, logits: torch.Tensor, states: list[SlotState]
@@ -153,14 +219,17 @@ class Sampler:
         rep = self._column([p.repetition_penalty for p in params])
         freq = self._column([p.frequency_penalty for p in params])
         presence = self._column([p.presence_penalty for p in params])
-        x = logits[rows]
+        index = None if len(rows) == len(states) else self._index(rows)
+        x = logits if index is None else logits[index]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         x = x - freq * counts - presence * (counts > 0).float()
-        logits[rows] = x
+        if index is None:
+            return x
+        logits[index] = x
         return logits
 
     def _column(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device).view(-1, 1)
+        return to_device(values, torch.float32, self.device).view(-1, 1)
 
     def _draw(self, logits: torch.Tensor, states: list[SlotState]) -> torch.Tensor:
         params = [st.params for st in states]
@@ -180,8 +249,8 @@ class Sampler:
         """Zero the probabilities outside top-k and then outside the top-p nucleus (the top token stays)."""
         vocab = probs.shape[-1]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ks = torch.tensor(
-            [p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device
+        ks = to_device(
+            [p.top_k if p.top_k > 0 else vocab for p in params], torch.long, probs.device
         ).view(-1, 1)
         ranks = torch.arange(vocab, device=probs.device).view(1, -1)
         sorted_probs = sorted_probs.masked_fill(ranks >= ks, 0.0)
@@ -196,7 +265,7 @@ class Sampler:
             if st.output_counts is not None:
                 token = next_ids[i : i + 1]
                 st.output_counts.index_add_(0, token, torch.ones(1, device=token.device))
-                st.seen[token] = True
+                st.seen.index_fill_(0, token, True)
 
     def _logprobs(
         self,
@@ -204,20 +273,21 @@ class Sampler:
         next_ids: torch.Tensor,
         return_logprob: list[bool],
         top_logprobs_num: list[int],
-    ) -> SampleOutput:
+    ) -> DeviceSample:
         n = len(return_logprob)
-        empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
-        out = SampleOutput([], [0.0] * n, [empty_i] * n, [empty_f] * n)
         rows = [i for i in range(n) if return_logprob[i] or top_logprobs_num[i] > 0]
+        out = DeviceSample(next_ids, return_logprob, top_logprobs_num, rows)
         if not rows:
             return out
-        logp = torch.log_softmax(logits[rows].float(), dim=-1)
-        chosen = logp.gather(1, next_ids[rows].view(-1, 1)).view(-1).tolist()
+        if len(rows) == n:
+            lp_logits, lp_ids = logits, next_ids
+        else:
+            index = self._index(rows)
+            lp_logits, lp_ids = logits[index], next_ids[index]
+        logp = torch.log_softmax(lp_logits.float(), dim=-1)
+        out.chosen = logp.gather(1, lp_ids.view(-1, 1)).view(-1)
         k = max(top_logprobs_num[i] for i in rows)
-        top_vals, top_idx = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-        top_vals, top_idx = top_vals.cpu().numpy(), top_idx.cpu().numpy().astype(np.int32)
-        for j, i in enumerate(rows):
-            out.logprobs[i] = chosen[j] if return_logprob[i] else 0.0
-            ki = top_logprobs_num[i]
-            out.top_ids[i], out.top_logprobs[i] = top_idx[j, :ki], top_vals[j, :ki]
+        out.top_vals, out.top_idx = (
+            logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        )
         return out

@@ -40,20 +40,33 @@ def runner_factory():
 
 
 def run(runner, args: ServerArgs, prompts, sampling, arrivals):
+    """The scheduler process's loop with the runner in-process: with the overlap schedule on
+    (args.disable_overlap_schedule False) step N+1 is launched before step N is collected, its
+    decoders feeding the tokens step N sampled from the device (from_last_sample)."""
     sched = Scheduler(args, runner.ready_info())
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
     step = 0
-    while pending or sched.has_work():
+    inflight = None  # (plan, runner.launch(batch))
+    ahead_steps = 0
+    while pending or sched.has_work() or inflight is not None:
         for i in [i for i in pending if arrivals[i] <= step]:
             sched.add_request(
                 m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
             )
             pending.remove(i)
-        scheduled = sched.schedule()
-        if scheduled is not None:
-            batch, plan = scheduled
-            sched.process_result(plan, runner.forward(batch))
+        if inflight is None:
+            scheduled = sched.schedule()
+            if scheduled is not None:
+                inflight = (scheduled[1], runner.launch(scheduled[0]))
+        if inflight is not None:
+            ahead = sched.schedule_ahead(inflight[0])
+            following = None
+            if ahead is not None:
+                following = (ahead[1], runner.launch(ahead[0]))
+                ahead_steps += 1
+            sched.process_result(inflight[0], runner.collect(inflight[1]))
+            inflight = following
         for out in sched.take_outputs():
             assert out.error is None, out.error
             outputs[out.rid].extend(m.unpack_ids(out.new_ids).tolist())
@@ -63,6 +76,7 @@ def run(runner, args: ServerArgs, prompts, sampling, arrivals):
     runner.forward(
         m.ForwardBatch(step=0, reqs=[], released_slots=list(range(args.max_running_requests)))
     )
+    assert (ahead_steps > 0) == (not args.disable_overlap_schedule)
     return outputs, sched
 
 
@@ -103,6 +117,7 @@ def test_greedy_cache_on_equals_off(
         max_running_requests=8,
         device="cpu",
         radix_tree_impl="python",
+        disable_overlap_schedule=True,
     )
     runner = runner_factory(base)
     vocab = min(runner.ready_info().vocab_size, 49152)
@@ -113,8 +128,19 @@ def test_greedy_cache_on_equals_off(
     on, sched = run(runner, base, prompts, greedy, arrivals)
     assert on == off
     assert sched.cached_tokens_total > 200
+    overlap = base.replace(disable_overlap_schedule=False)
+    assert run(runner, overlap, prompts, greedy, arrivals)[0] == off
     if model == "default":
-        return  # the real model is slow on CPU; the penalty run below uses the tiny one
+        return  # the real model is slow on CPU; the runs below use the tiny one
+    # stop tokens end requests mid-batch: the overlap schedule discards their run-ahead rows
+    stops = sorted({tokens[3] for tokens in off.values()})[:3]
+    stopping = m.SamplingParams(
+        max_new_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=stops
+    )
+    off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, stopping, arrivals)
+    assert any(len(tokens) < 8 for tokens in off.values())
+    assert run(runner, base, prompts, stopping, arrivals)[0] == off
+    assert run(runner, overlap, prompts, stopping, arrivals)[0] == off
     # the same again with a repetition penalty: cached prefix tokens must still be penalized
     penal = m.SamplingParams(
         max_new_tokens=8,
@@ -126,6 +152,7 @@ def test_greedy_cache_on_equals_off(
     off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, penal, arrivals)
     on, _ = run(runner, base, prompts, penal, arrivals)
     assert on == off
+    assert run(runner, overlap, prompts, penal, arrivals)[0] == off
 
 
 def test_hits_after_eviction_and_retraction(runner_factory):
@@ -141,6 +168,7 @@ def test_hits_after_eviction_and_retraction(runner_factory):
         max_running_requests=8,
         device="cpu",
         radix_tree_impl="python",
+        disable_overlap_schedule=True,
     )
     runner = runner_factory(base)
     prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=3)
@@ -151,4 +179,9 @@ def test_hits_after_eviction_and_retraction(runner_factory):
     small_runner = runner_factory(small)
     on, sched = run(small_runner, small, prompts, greedy, arrivals)
     assert on == off
+    assert sched.retractions > 0
+    ahead, sched = run(
+        small_runner, small.replace(disable_overlap_schedule=False), prompts, greedy, arrivals
+    )
+    assert ahead == off
     assert sched.retractions > 0

@@ -4,6 +4,11 @@ The fake "model" stores each token id in the page slot the scheduler assigned, a
 next token from the sequence it reads back through the page table. A wrong page table (a freed
 page reused, a duplicate page swapped badly, a missed resend) reads the wrong tokens and changes
 the outputs, so "outputs with the cache on == outputs with it off" checks the page bookkeeping.
+
+With `overlap=True` the drivers run the scheduler process's loop: step N+1 is built
+(`schedule_ahead`) and run before N's result is processed, decoders feeding the token their slot
+just sampled (`from_last_sample`), which the fake worker, like the real one, keeps per slot.
+The fake worker runs a batch when it is sent, as the GPU runs steps in the order they are sent.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class FakeWorker:
         self.table = np.zeros((max_slots, context // page_size + 2), dtype=np.int64)
         self.num_pages = num_pages
         self.context = context
+        self.last_sampled: dict[int, int] = {}  # slot -> the token it sampled last
+        self.fed_from_last = 0  # rows that fed the slot's last sampled token
+        self.sampled_rows = 0
 
     def ready(self) -> m.WorkerReady:
         return m.WorkerReady(
@@ -47,10 +55,18 @@ class FakeWorker:
         results = []
         # a batch must never write one page slot twice (two requests sharing a page they both own)
         written: set[tuple[int, int]] = set()
+        for slot in batch.released_slots:
+            self.last_sampled.pop(slot, None)
         for r in batch.reqs:
+            if r.new_slot:
+                self.last_sampled.pop(r.slot, None)
             pages = m.unpack_ids(r.new_pages)
             self.table[r.slot, r.page_offset : r.page_offset + len(pages)] = pages
             ids = m.unpack_ids(r.input_ids)
+            if r.from_last_sample:
+                assert len(ids) == 0 and r.slot in self.last_sampled, "nothing sampled to feed"
+                ids = [self.last_sampled[r.slot]]
+                self.fed_from_last += 1
             for i, tok in enumerate(ids):
                 pos = r.start_pos + i
                 page, off = self.table[r.slot, pos // self.page_size], pos % self.page_size
@@ -71,7 +87,40 @@ class FakeWorker:
             for t in seq:
                 h = (h * 31 + t + 7) % 1_000_003
             results.append(m.ForwardReqResult(next_id=h % VOCAB))
+            self.last_sampled[r.slot] = h % VOCAB
+            self.sampled_rows += 1
         return m.ForwardResult(step=batch.step, results=results)
+
+
+class Driver:
+    """The scheduler process's loop (scheduler/main.py) against a FakeWorker, one iteration at
+    a time: with the overlap schedule on, step N+1 is sent before N's result is processed."""
+
+    def __init__(self, sched: Scheduler, worker: FakeWorker):
+        self.sched, self.worker = sched, worker
+        self.inflight = None  # (plan, result)
+        self.trace: list[list[tuple[str, int]]] = []  # each sent batch's (rid, num_tokens)
+        self.ahead_steps = 0  # batches built by schedule_ahead
+
+    def send(self, batch, plan):
+        self.trace.append([(p.req.rid, p.num_tokens) for p in plan])
+        return plan, self.worker.forward(batch)
+
+    def busy(self) -> bool:
+        return self.sched.has_work() or self.inflight is not None
+
+    def iteration(self) -> None:
+        sched = self.sched
+        if self.inflight is None:
+            scheduled = sched.schedule()
+            if scheduled is not None:
+                self.inflight = self.send(*scheduled)
+        if self.inflight is not None:
+            ahead = sched.schedule_ahead(self.inflight[0])
+            following = self.send(*ahead) if ahead is not None else None
+            self.ahead_steps += ahead is not None
+            sched.process_result(*self.inflight)
+            self.inflight = following
 
 
 def run_workload(
@@ -88,11 +137,19 @@ def run_workload(
     check_every_step=True,
     mixed=False,
     trace=None,
+    overlap=False,
+    stop_ids=(),
+    aborts=None,
+    info=None,
+    ignore_eos=False,
 ):
     """Run prompts to completion; `arrivals[i]` is the step at which request i arrives.
 
     `mixed` sets enable_mixed_chunk; `trace`, a list, gets one entry per step: the batch's
-    (rid, num_tokens) pairs, in order (empty when nothing was scheduled)."""
+    (rid, num_tokens) pairs, in order (empty when nothing was scheduled; with `overlap`, one
+    entry per batch sent). `overlap` runs the overlap schedule's loop; `stop_ids` are stop token
+    ids; `aborts` maps a rid to the step at which it is aborted; `info`, a dict, gets the
+    driver's counters."""
     args = ServerArgs(
         page_size=page_size,
         max_total_tokens=pool_tokens,
@@ -102,34 +159,42 @@ def run_workload(
         max_running_requests=max_running,
         radix_tree_impl="python",
         enable_mixed_chunk=mixed,
+        disable_overlap_schedule=not overlap,
     )
     worker = FakeWorker(pool_tokens // page_size + 1, page_size, max_running)
     sched = Scheduler(args, worker.ready())
+    driver = Driver(sched, worker)
     arrivals = arrivals or [0] * len(prompts)
+    aborts = dict(aborts or {})
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     finished: dict[str, str] = {}
     step = 0
     pending = list(range(len(prompts)))
-    while pending or sched.has_work():
+    sampling = m.SamplingParams(
+        max_new_tokens=max_new,
+        temperature=0.0,
+        stop_token_ids=list(stop_ids),
+        ignore_eos=ignore_eos,
+    )
+    while pending or driver.busy():
         for i in [i for i in pending if arrivals[i] <= step]:
             sched.add_request(
-                m.GenerateReq(
-                    rid=f"r{i}",
-                    input_ids=m.pack_ids(prompts[i]),
-                    sampling=m.SamplingParams(max_new_tokens=max_new, temperature=0.0),
-                )
+                m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
             )
             pending.remove(i)
-        scheduled = sched.schedule()
+        arrived = {f"r{i}" for i in range(len(prompts)) if i not in pending}
+        for rid in [rid for rid, at in aborts.items() if at <= step and rid in arrived]:
+            sched.abort(rid)
+            del aborts[rid]
+        sent = len(driver.trace)
+        driver.iteration()
         if trace is not None:
-            trace.append([(p.req.rid, p.num_tokens) for p in scheduled[1]] if scheduled else [])
-        if scheduled is not None:
-            batch, plan = scheduled
-            sched.process_result(plan, worker.forward(batch))
+            trace.extend(driver.trace[sent:] or [[]])
         for out in sched.take_outputs():
             assert out.error is None, out.error
             outputs[out.rid].extend(m.unpack_ids(out.new_ids).tolist())
             if out.finish_reason:
+                assert out.rid not in finished, "finished twice"
                 finished[out.rid] = out.finish_reason
         if check_every_step:
             sched.check_integrity()
@@ -139,6 +204,15 @@ def run_workload(
     stats = sched.cache_stats()
     assert stats.free_pages + stats.evictable_pages == stats.total_pages
     assert stats.protected_pages == 0
+    if info is not None:
+        info.update(
+            ahead_steps=driver.ahead_steps,
+            steps=len(driver.trace),
+            fed_from_last=worker.fed_from_last,
+            sampled_rows=worker.sampled_rows,
+        )
+    if not overlap:
+        assert driver.ahead_steps == 0 and worker.fed_from_last == 0
     return outputs, finished, sched
 
 
@@ -160,9 +234,10 @@ def shared_prefix_prompts(seed=0, n=12):
 
 
 MODES = pytest.mark.parametrize("mixed", [False, True], ids=["prefill_first", "mixed"])
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 
 
-def check_cache_on_equals_cache_off(page_size, policy, mixed):
+def check_cache_on_equals_cache_off(page_size, policy, mixed, overlap=False):
     prompts = shared_prefix_prompts()
     arrivals = [i // 3 * 5 for i in range(len(prompts))]
     # the reference is always mixed with the cache off: outputs must not depend on the mode either
@@ -170,7 +245,13 @@ def check_cache_on_equals_cache_off(page_size, policy, mixed):
         prompts, 12, page_size=page_size, disable=True, arrivals=arrivals, mixed=True
     )
     on, fin, sched = run_workload(
-        prompts, 12, page_size=page_size, policy=policy, arrivals=arrivals, mixed=mixed
+        prompts,
+        12,
+        page_size=page_size,
+        policy=policy,
+        arrivals=arrivals,
+        mixed=mixed,
+        overlap=overlap,
     )
     assert on == off
     assert sched.cached_tokens_total > 0, "the shared prefixes must hit"
@@ -185,18 +266,31 @@ def test_cache_on_equals_cache_off(page_size, policy):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
-def test_cache_on_equals_cache_off_mixed(page_size, policy):
-    check_cache_on_equals_cache_off(page_size, policy, mixed=True)
+def test_cache_on_equals_cache_off_overlap(page_size, policy):
+    check_cache_on_equals_cache_off(page_size, policy, mixed=False, overlap=True)
 
 
-def check_pressure_evicts_and_retracts(page_size, mixed):
+@OVERLAP
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+def test_cache_on_equals_cache_off_mixed(page_size, policy, overlap):
+    check_cache_on_equals_cache_off(page_size, policy, mixed=True, overlap=overlap)
+
+
+def check_pressure_evicts_and_retracts(page_size, mixed, overlap=False):
     prompts = shared_prefix_prompts(seed=1, n=16)
     off, _, _ = run_workload(
         prompts, 24, page_size=page_size, disable=True, pool_tokens=4096, mixed=True
     )
     # run_workload checks integrity every step and at the end (no leaked pages or slots)
     on, _, sched = run_workload(
-        prompts, 24, page_size=page_size, pool_tokens=256, max_running=8, mixed=mixed
+        prompts,
+        24,
+        page_size=page_size,
+        pool_tokens=256,
+        max_running=8,
+        mixed=mixed,
+        overlap=overlap,
     )
     assert on == off
     assert sched.retractions > 0, "a 256-token pool must force retraction"
@@ -208,8 +302,14 @@ def test_pressure_evicts_and_retracts_without_changing_outputs(page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_pressure_evicts_and_retracts_without_changing_outputs_mixed(page_size):
-    check_pressure_evicts_and_retracts(page_size, mixed=True)
+def test_pressure_evicts_and_retracts_without_changing_outputs_overlap(page_size):
+    check_pressure_evicts_and_retracts(page_size, mixed=False, overlap=True)
+
+
+@OVERLAP
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pressure_evicts_and_retracts_without_changing_outputs_mixed(page_size, overlap):
+    check_pressure_evicts_and_retracts(page_size, mixed=True, overlap=overlap)
 
 
 def decoding_scheduler(
@@ -265,13 +365,16 @@ def test_new_request_prefills_alone_unless_mixed(mixed):
     assert step(sched, worker) == [("d0", 1), ("d1", 1), ("new", 1)]
 
 
+@OVERLAP
 @MODES
-def test_long_prompt_chunks_then_decodes_resume(mixed):
+def test_long_prompt_chunks_then_decodes_resume(mixed, overlap):
     short = [[10, 20, 30, 40], [11, 21, 31, 41]]
     long_prompt = [1 + i % 90 for i in range(100)]
     prompts = [*short, long_prompt]
     trace: list = []
-    out, fin, _ = run_workload(prompts, 30, chunk=16, arrivals=[0, 0, 3], mixed=mixed, trace=trace)
+    out, fin, _ = run_workload(
+        prompts, 30, chunk=16, arrivals=[0, 0, 3], mixed=mixed, trace=trace, overlap=overlap
+    )
     ref, _, _ = run_workload(prompts, 30, chunk=16, arrivals=[0, 0, 3], disable=True, mixed=True)
     assert out == ref, "greedy outputs do not depend on the scheduling mode"
     assert set(fin) == {"r0", "r1", "r2"} and len(out["r0"]) == len(out["r1"]) == 30
@@ -348,8 +451,9 @@ def test_decoder_retracted_for_a_blocked_prefill_then_resumes(mixed):
         assert trace[:4] == [[("b", 16)], [("b", 16)], [("d0", 1)], [("b", 4)]]
 
 
+@OVERLAP
 @MODES
-def test_dfs_weight_order_survives_node_splits(mixed):
+def test_dfs_weight_order_survives_node_splits(mixed, overlap):
     # matching one waiting request can split a tree node that another's parent walk went through
     rng = random.Random(161)
     prompts = shared_prefix_prompts(seed=161, n=12)
@@ -357,7 +461,13 @@ def test_dfs_weight_order_survives_node_splits(mixed):
     chunk = rng.choice([16, 64, 256])
     ref, _, _ = run_workload(prompts, 8, disable=True, arrivals=arrivals, chunk=chunk, mixed=True)
     out, _, _ = run_workload(
-        prompts, 8, policy="dfs-weight", arrivals=arrivals, chunk=chunk, mixed=mixed
+        prompts,
+        8,
+        policy="dfs-weight",
+        arrivals=arrivals,
+        chunk=chunk,
+        mixed=mixed,
+        overlap=overlap,
     )
     assert out == ref
 
@@ -470,8 +580,9 @@ def test_prefill_only_request_warms_the_cache():
     pool=st.sampled_from([128, 256, 1024]),
     chunk=st.sampled_from([16, 48, 256]),
     mixed=st.booleans(),
+    overlap=st.booleans(),
 )
-def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk, mixed):
+def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk, mixed, overlap):
     rng = random.Random(seed)
     bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(5, 60))] for _ in range(3)]
     prompts = []
@@ -501,5 +612,126 @@ def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk, mixe
         arrivals=arrivals,
         max_running=4,
         mixed=mixed,
+        overlap=overlap,
     )
     assert on == off
+
+
+# ---------------------------------------------------------------------------------------------
+# the overlap schedule
+
+
+@MODES
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_overlap_equals_sync_with_stops_and_aborts(page_size, chunk, mixed):
+    """Stop-token finishes mid-batch (their run-ahead row discarded), max-token finishes,
+    chunked prefills and aborts of requests in flight: the outputs equal a synchronous run's
+    and a cache-off run's, and no page or slot leaks (run_workload checks integrity every step
+    and that every page is free or evictable at the end)."""
+    prompts = shared_prefix_prompts(seed=7)
+    arrivals = [i // 3 * 4 for i in range(len(prompts))]
+    stops = [3, 5, 7, 11, 13]
+    aborts = {"r1": 3, "r6": 9, "r12": 14}
+    kw = dict(page_size=page_size, chunk=chunk, arrivals=arrivals, stop_ids=stops, mixed=mixed)
+    ref, ref_fin, _ = run_workload(prompts, 16, disable=True, **kw)
+    sync, sync_fin, _ = run_workload(prompts, 16, aborts=aborts, **kw)
+    info: dict = {}
+    over, over_fin, sched = run_workload(prompts, 16, aborts=aborts, overlap=True, info=info, **kw)
+    assert "stop" in ref_fin.values() and "length" in ref_fin.values()
+    for fin in (sync_fin, over_fin):
+        assert set(fin) == set(ref_fin)
+        assert {rid for rid, why in fin.items() if why == "abort"} <= set(aborts)
+    for rid, tokens in ref.items():
+        for got, fin in ((sync, sync_fin), (over, over_fin)):
+            if fin[rid] == "abort":  # cut short; what it produced is still the reference's
+                assert got[rid] == tokens[: len(got[rid])]
+            else:
+                assert got[rid] == tokens and fin[rid] == ref_fin[rid]
+    assert info["ahead_steps"] > info["steps"] // 2, "the overlap schedule must run ahead"
+    assert info["fed_from_last"] > 0
+    # the run-ahead rows wasted are those of requests a stop token or an abort ended
+    wasted = info["sampled_rows"] - sum(len(v) for v in over.values())
+    assert 0 < wasted <= sum(why in ("stop", "abort") for why in over_fin.values())
+    assert sched.cached_tokens_total > 0
+
+
+@MODES
+def test_overlap_wastes_nothing_on_length_finishes(mixed):
+    """A request that reaches max_new_tokens at step N is known to finish without its token:
+    it gets no row in N+1 (every sampled row's token is delivered)."""
+    prompts = shared_prefix_prompts(seed=3)
+    info: dict = {}
+    out, fin, _ = run_workload(
+        prompts, 9, chunk=32, mixed=mixed, overlap=True, info=info, ignore_eos=True
+    )
+    assert set(fin.values()) == {"length"} and all(len(v) == 9 for v in out.values())
+    assert info["sampled_rows"] == 9 * len(prompts)
+    assert info["ahead_steps"] > info["steps"] // 2
+
+
+def run_after_stop(page_size, overlap):
+    """One request that ends on a stop token, then its next turn: the tokens the tree holds."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    probe, _, _ = run_workload([prompt], 20, ignore_eos=True)
+    out = probe["r0"]
+    i = next(i for i in range(4, len(out)) if out[i] not in out[:i])
+    stop = out[i]
+    outs, fin, sched = run_workload(
+        [prompt], 20, page_size=page_size, stop_ids=[stop], overlap=overlap, ignore_eos=True
+    )
+    assert fin == {"r0": "stop"} and outs["r0"] == out[: i + 1]
+    history = prompt + outs["r0"]
+    cached = sched.cache.match_prefix(np.asarray(history + [1, 2, 3], np.int32)).length
+    return cached, sched.cache.evictable_pages
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_stop_finish_caches_no_run_ahead_token(page_size):
+    """With the overlap schedule the step after a stop-token finish already fed the stop token
+    (its K/V written into a page of the request); the tree must hold exactly what a synchronous
+    run caches: the history but the last sampled token, in full pages."""
+    sync = run_after_stop(page_size, overlap=False)
+    over = run_after_stop(page_size, overlap=True)
+    assert over == sync
+    cached, _ = sync
+    assert cached == (9 + 5 - 1) // page_size * page_size  # 9 prompt + 5 output tokens
+
+
+def test_schedule_ahead_falls_back_instead_of_retracting():
+    # 2 decoders in a 15-token pool: after two steps and a run-ahead one, the step after the
+    # next does not fit next to them (a retraction), so the run-ahead falls back
+    sched, worker = decoding_scheduler(2, pool_tokens=15, max_new=40)
+    sched.args = sched.args.replace(disable_overlap_schedule=False)
+    fell_back = False
+    for _ in range(20):
+        scheduled = sched.schedule()
+        if scheduled is None:
+            break
+        batch, plan = scheduled
+        retractions, free = sched.retractions, sched.allocator.free_pages
+        ahead = sched.schedule_ahead(plan)
+        if ahead is None:
+            fell_back = True
+            assert sched.retractions == retractions and sched.allocator.free_pages == free
+            sched.process_result(plan, worker.forward(batch))
+        else:
+            a_batch, a_plan = ahead
+            assert all(fr.from_last_sample and not fr.input_ids for fr in a_batch.reqs)
+            r1, r2 = worker.forward(batch), worker.forward(a_batch)
+            sched.process_result(plan, r1)
+            sched.process_result(a_plan, r2)
+        sched.check_integrity()
+    assert fell_back and sched.retractions > 0
+
+
+def test_overlap_flag():
+    import argparse
+
+    from radix_runtime.config import add_server_args, args_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert args_from_namespace(parser.parse_args([])).disable_overlap_schedule is False
+    ns = parser.parse_args(["--disable-overlap-schedule"])
+    assert args_from_namespace(ns).disable_overlap_schedule

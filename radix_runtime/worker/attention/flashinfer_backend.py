@@ -71,6 +71,9 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtype: torch.dtype | None = None  # the pool's, known once bound
         self.page_size = 1
         self._active = None  # the wrapper planned for the current batch
+        # recorded after each plan's copies out of FlashInfer's pinned host buffers: the next
+        # plan waits for it before it writes them again (see _planned)
+        self._plan_copied: torch.cuda.Event | None = None
         # or, for a small decode batch, the Triton kernel's index arrays (device tensors)
         self._small_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._out_cache_loc: torch.Tensor | None = None
@@ -123,6 +126,7 @@ class FlashInferBackend(AttentionBackend):
         **extra,
     ) -> None:
         """Causal prefill over the paged pool, host index arrays (device page ids)."""
+        self._before_plan()
         wrapper.plan(
             qo_indptr,
             kv_indptr,
@@ -138,7 +142,7 @@ class FlashInferBackend(AttentionBackend):
             kv_data_type=self.kv_dtype,
             **extra,
         )
-        self._active = wrapper
+        self._planned(wrapper)
 
     def _plan_decode(
         self,
@@ -147,6 +151,7 @@ class FlashInferBackend(AttentionBackend):
         kv_indices: torch.Tensor,
         last_page_len: torch.Tensor,
     ) -> None:
+        self._before_plan()
         wrapper.plan(
             kv_indptr,
             kv_indices,
@@ -159,7 +164,23 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.kv_dtype,
             kv_data_type=self.kv_dtype,
         )
+        self._planned(wrapper)
+
+    # A plan writes the schedule into a pinned host buffer and queues its copy to the device
+    # without waiting. With the overlap schedule the next step is planned while the device may
+    # not have run the previous copy yet, and graphed wrappers of one size (or all the prefill
+    # ones, which share scratch) reuse the same pinned buffer: so each plan first waits for the
+    # previous plan's copies (in practice long done: the step before that was collected).
+
+    def _before_plan(self) -> None:
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
+
+    def _planned(self, wrapper) -> None:
         self._active = wrapper
+        if self.device.type == "cuda":
+            self._plan_copied = torch.cuda.Event()
+            self._plan_copied.record()
 
     def forward(
         self,
@@ -237,9 +258,10 @@ class FlashInferBackend(AttentionBackend):
             "last_page_len": torch.ones(max_reqs, **i32),
         }
 
-    # a wrapper's own scratch: plan() fills it, run() (the graph) reads it. One wrapper is planned
-    # and replayed at a time, and each step ends with a sync, so every graphed wrapper can use
-    # the first one's: ~80 MB each otherwise (FlashInfer 0.5.3 sizes them for 16M KV entries)
+    # a wrapper's own scratch: plan() fills it, run() (the graph) reads it. Plans and replays are
+    # queued in step order on one stream and a plan waits for the previous plan's host copies
+    # (_before_plan), so every graphed wrapper can use the first one's: ~80 MB each otherwise
+    # (FlashInfer 0.5.3 sizes them for 16M KV entries)
     _SCRATCH = (
         "_int_workspace_buffer",
         "_pin_memory_int_workspace_buffer",

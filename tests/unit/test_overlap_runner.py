@@ -1,0 +1,191 @@
+"""ModelRunner.launch / collect (the worker's half of the overlap schedule), on CPU with the
+torch backend: the same code path as on CUDA, where launch only queues device work.
+
+A step launched with `from_last_sample` rows before the previous step is collected must give
+what two synchronous forwards give, with the unknown tokens taken from the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radix_runtime import messages as m
+from radix_runtime.config import ServerArgs
+from radix_runtime.worker.model_runner import ModelRunner
+
+GREEDY = m.SamplingParams(temperature=0.0)
+PENALIZED = m.SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=1.5)
+SEEDED = m.SamplingParams(temperature=0.9, top_k=20, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    args = ServerArgs(
+        model="tiny-llama",
+        load_format="dummy",
+        model_config="tiny-llama",
+        device="cpu",
+        max_total_tokens=1024,
+        max_running_requests=8,
+        page_size=4,
+    )
+    return ModelRunner(args)
+
+
+def req(slot, ids, start, pages=(), offset=0, **kw):
+    return m.ForwardReq(
+        slot=slot,
+        input_ids=m.pack_ids(ids),
+        start_pos=start,
+        page_offset=offset,
+        new_pages=m.pack_ids(list(pages)),
+        **kw,
+    )
+
+
+def first_step():
+    """Three new requests; slot 3 is a chunk that samples nothing."""
+    return m.ForwardBatch(
+        step=1,
+        reqs=[
+            req(
+                0,
+                [5, 6, 7, 8, 9],
+                0,
+                [1, 2],
+                new_slot=True,
+                sampling=GREEDY,
+                return_logprob=True,
+                top_logprobs_num=3,
+            ),  # fmt: skip
+            req(1, [9, 10, 9, 10], 0, [3, 4], new_slot=True, sampling=PENALIZED),
+            req(2, [11, 12, 13], 0, [5, 8], new_slot=True, sampling=SEEDED, return_logprob=True),
+            req(3, [20, 21, 22, 23], 0, [6, 7], new_slot=True, sampling=GREEDY, sample=False),
+        ],
+    )
+
+
+def second_step(tokens: dict[int, int] | None):
+    """Slots 0-2 decode the token they sampled (known: `tokens`, else from_last_sample), slot 3
+    gets its last chunk."""
+
+    def decode(slot, start, **kw):
+        if tokens is None:
+            return m.ForwardReq(
+                slot=slot, input_ids=b"", start_pos=start, from_last_sample=True, **kw
+            )
+        return req(slot, [tokens[slot]], start, **kw)
+
+    return m.ForwardBatch(
+        step=2,
+        reqs=[
+            decode(0, 5, return_logprob=True, top_logprobs_num=3),
+            decode(1, 4),
+            decode(2, 3, return_logprob=True),
+            req(3, [24, 25], 4),
+        ],
+    )
+
+
+def third_step(tokens: dict[int, int] | None):
+    """Every slot decodes again (slot 3 its first output)."""
+
+    def decode(slot, start):
+        if tokens is None:
+            return m.ForwardReq(slot=slot, input_ids=b"", start_pos=start, from_last_sample=True)
+        return req(slot, [tokens[slot]], start)
+
+    return m.ForwardBatch(step=3, reqs=[decode(0, 6), decode(1, 5), decode(2, 4), decode(3, 6)])
+
+
+def release_all(runner):
+    runner.forward(m.ForwardBatch(step=0, reqs=[], released_slots=list(range(8))))
+
+
+def tokens_of(result: m.ForwardResult) -> dict[int, int]:
+    return {i: r.next_id for i, r in enumerate(result.results) if r.next_id >= 0}
+
+
+def strip_time(result: m.ForwardResult) -> m.ForwardResult:
+    return m.ForwardResult(step=result.step, results=result.results)
+
+
+def test_launch_ahead_equals_synchronous_forwards(runner):
+    release_all(runner)
+    r1 = runner.forward(first_step())
+    r2 = runner.forward(second_step(tokens_of(r1)))
+    r3 = runner.forward(third_step(tokens_of(r2)))
+    release_all(runner)
+    # two and three steps in flight before anything is collected
+    p1 = runner.launch(first_step())
+    p2 = runner.launch(second_step(None))
+    p3 = runner.launch(third_step(None))
+    got = [runner.collect(p) for p in (p1, p2, p3)]
+    release_all(runner)
+    assert [strip_time(g) for g in got] == [strip_time(r) for r in (r1, r2, r3)]
+    assert got[1].results[0].top_ids and got[1].results[0].logprob < 0
+    assert all(g.forward_s > 0 for g in got)
+
+
+def test_forward_is_collect_of_launch(runner):
+    release_all(runner)
+    a = runner.forward(first_step())
+    release_all(runner)
+    pending = runner.launch(first_step())
+    assert pending.ready()  # on the CPU launch does the work
+    b = runner.collect(pending)
+    release_all(runner)
+    assert strip_time(a) == strip_time(b)
+
+
+def test_forward_with_logits_still_returns_rows(runner):
+    release_all(runner)
+    result, logits = runner.forward_with_logits(first_step())
+    release_all(runner)
+    assert [x is None for x in logits] == [False, False, False, True]
+    assert int(torch.argmax(logits[0][-1])) == result.results[0].next_id
+
+
+def test_from_last_sample_is_validated(runner):
+    release_all(runner)
+    with pytest.raises(ValueError, match="from_last_sample with input_ids"):
+        runner.launch(
+            m.ForwardBatch(
+                step=1,
+                reqs=[req(0, [5], 0, [1], new_slot=True, sampling=GREEDY, from_last_sample=True)],
+            )
+        )
+    release_all(runner)
+    # a slot that only computed a chunk has sampled nothing
+    runner.forward(
+        m.ForwardBatch(
+            step=1, reqs=[req(0, [5, 6], 0, [1], new_slot=True, sampling=GREEDY, sample=False)]
+        )
+    )
+    with pytest.raises(ValueError, match="sampled nothing"):
+        runner.launch(
+            m.ForwardBatch(
+                step=2,
+                reqs=[m.ForwardReq(slot=0, input_ids=b"", start_pos=2, from_last_sample=True)],
+            )
+        )
+    # a fresh slot (new_slot) forgets what the slot sampled before
+    runner.forward(m.ForwardBatch(step=3, reqs=[req(0, [7], 2, sample=True)]))
+    with pytest.raises(ValueError, match="sampled nothing"):
+        runner.launch(
+            m.ForwardBatch(
+                step=4,
+                reqs=[
+                    m.ForwardReq(
+                        slot=0,
+                        input_ids=b"",
+                        start_pos=0,
+                        new_slot=True,
+                        sampling=GREEDY,
+                        new_pages=m.pack_ids([1]),
+                        from_last_sample=True,
+                    )  # fmt: skip
+                ],
+            )
+        )
+    release_all(runner)
