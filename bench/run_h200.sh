@@ -9,6 +9,7 @@
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
+# A stage given twice writes its repeat beside the first (name_<time>).
 # e.g.  bash bench/run_h200.sh tests kernels worker
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
@@ -40,6 +41,7 @@ for stage in "$@"; do
             flags="--load-format dummy" name=h200_multi_turn
             [ "$stage" = multiturn_mixed ] && flags="$flags --enable-mixed-chunk" name=h200_multi_turn_mixed
             [ "$stage" = multiturn_FLAGS ] && flags="$flags $MT_FLAGS" name=h200_multi_turn_$MT_NAME
+            [ -f "$OUT/$name.json" ] && name=${name}_$(date +%s)  # a repeat keeps the first
             timeout 420 python3 bench/multi_turn_chat.py --model llama-3.1-8b --server-args "$flags" \
                 --clients 64 --rounds 6 --system-tokens 1024 --context-tokens 512 \
                 --user-tokens 128 --answer-tokens 128 --max-inflight 32 --compare-no-cache \
