@@ -196,7 +196,8 @@ class Scheduler:
                 if not self._schedule_decodes(plan, ahead):
                     return None
                 if not plan and len(self.running) < running:
-                    return self._plan()  # every decoder left: their pages may fit a prefill
+                    # every decoder left: their pages may fit a prefill
+                    return self._plan(ahead, shared_with)
         if not plan and len(self.running) > 1 and not ahead:
             # every running request is mid-prefill and none can grow: free the newest one's pages
             self._retract(max(self.running, key=lambda r: r.arrival))
