@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from radix_runtime.worker.attention.base import AttentionBackend, AttentionMetadata
+from radix_runtime.worker.host_copy import upload
 from radix_runtime.worker.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -34,15 +35,6 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 129, 16), *range(160, max_bs + 1, 32)]
     sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
     return sizes
-
-
-def upload(dst: torch.Tensor, host: np.ndarray) -> None:
-    """Copy a host array into a device buffer without waiting for the stream (through pinned
-    memory; a plain copy from pageable memory would sync, stalling the overlap schedule)."""
-    src = torch.from_numpy(host)
-    if dst.is_cuda:
-        src = src.pin_memory()
-    dst.copy_(src, non_blocking=True)
 
 
 def capture(run, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

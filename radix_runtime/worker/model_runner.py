@@ -33,9 +33,10 @@ from radix_runtime.config import ServerArgs
 from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
+from radix_runtime.worker.host_copy import to_device
 from radix_runtime.worker.kv_pool import KVPool, num_pages_for
 from radix_runtime.worker.loader import load_model
-from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs, to_device
+from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
 
 logger = logging.getLogger(__name__)
 

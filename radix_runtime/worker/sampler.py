@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from radix_runtime.messages import SamplingParams
+from radix_runtime.worker.host_copy import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +83,6 @@ class DeviceSample:
             ki = self.top_logprobs_num[i]
             out.top_ids[i], out.top_logprobs[i] = top_idx[j, :ki], top_vals[j, :ki]
         return out
-
-
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list/array on `device` without a host sync: on CUDA through pinned memory and a
-    non-blocking copy (a plain `.to(device)` or `torch.tensor(..., device=cuda)` waits for the
-    stream to drain, which would stall the overlap schedule)."""
-    if isinstance(values, torch.Tensor):
-        t = values
-    else:
-        a = np.asarray(values)
-        t = torch.from_numpy(a) if a.flags.writeable else torch.tensor(a)
-    t = t.to(dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 
 from radix_runtime.worker import gpu_ops
 from radix_runtime.worker.attention.base import AttentionBackend, AttentionMetadata
+from radix_runtime.worker.host_copy import upload
 from radix_runtime.worker.kv_pool import KVPool
 
 # FlashInfer's scratch space for split-KV partial results, shared by every wrapper (one runs at
@@ -42,12 +43,6 @@ WORKSPACE_BYTES = 256 << 20
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     """Decode on tensor cores when each KV head serves >= 4 query heads (SGLang's rule)."""
     return num_heads // num_kv_heads >= 4
-
-
-def _upload(dst: torch.Tensor, host: np.ndarray) -> None:
-    """Host array -> device buffer, stream-ordered, through fresh pinned memory (the caching host
-    allocator keeps it alive until the copy ran; pageable memory would make the copy sync)."""
-    dst.copy_(torch.from_numpy(np.ascontiguousarray(host)).pin_memory(), non_blocking=True)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -219,8 +214,8 @@ class FlashInferBackend(AttentionBackend):
         self._out_cache_loc = out_cache_loc
         if bs <= gpu_ops.TRITON_DECODE_MAX_BS:  # the Triton kernel reads the buffers themselves
             n = len(kv_indices)
-            _upload(self._graph_kv_indptr[: bs + 1], kv_indptr)
-            _upload(self._graph_kv_last_page_len[:bs], kv_last_page_len)
+            upload(self._graph_kv_indptr[: bs + 1], kv_indptr)
+            upload(self._graph_kv_last_page_len[:bs], kv_last_page_len)
             self._graph_kv_indices[:n].copy_(kv_indices, non_blocking=True)
             self._small_decode = (
                 self._graph_kv_indptr[: bs + 1],
