@@ -109,11 +109,11 @@ class ModelRunner:
         # req_to_page[slot, i]: the page holding positions [i * page_size, (i + 1) * page_size)
         self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
         self.sampler = Sampler(c.vocab_size, self.device, args.seed)
-        # the token each slot sampled last (device), and whether it sampled one since its reset
+        # the token each slot sampled last, on the device (the sampler's slot state says whether
+        # there is one since the slot opened)
         self.last_sampled = torch.zeros(
             args.max_running_requests, dtype=torch.long, device=self.device
         )
-        self.has_sample = np.zeros(args.max_running_requests, dtype=bool)
         if self._fused_ops_available():
             self.model.enable_fused_ops()
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -208,8 +208,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         for slot in batch.released_slots:
             self.sampler.release(slot)
-            if 0 <= slot < len(self.has_sample):
-                self.has_sample[slot] = False
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
         if not batch.reqs:
             return pending
@@ -232,7 +230,8 @@ class ModelRunner:
                 [reqs[i].top_logprobs_num for i in sampled],
             )
             self.last_sampled[to_device(slots, torch.long, self.device)] = out.next_ids
-            self.has_sample[slots] = True
+            for slot in slots:
+                self.sampler.slots[slot].sampled = True
             pending.sample, pending.sampled = out, sampled
             fetch.extend(out.tensors())
         pending.prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs]
@@ -370,10 +369,9 @@ class ModelRunner:
                 history=m.unpack_ids(r.history_ids),
                 prior_outputs=m.unpack_ids(r.prior_output_ids),
             )
-            self.has_sample[r.slot] = False
         elif r.slot not in self.sampler.slots:
             raise ValueError(f"slot {r.slot} was never opened with new_slot=True")
-        if r.from_last_sample and not self.has_sample[r.slot]:
+        if r.from_last_sample and not self.sampler.slots[r.slot].sampled:
             raise ValueError(f"slot {r.slot}: from_last_sample, but the slot has sampled nothing")
         pages = m.unpack_ids(r.new_pages)
         if len(pages):

@@ -41,6 +41,7 @@ class SlotState:
     seen: torch.Tensor | None = None  # [V] bool: prompt + output tokens fed so far
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    sampled: bool = False  # a token was sampled since the slot opened (from_last_sample feeds it)
 
 
 @dataclass
