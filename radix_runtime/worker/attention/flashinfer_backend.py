@@ -67,7 +67,7 @@ class FlashInferBackend(AttentionBackend):
         self.page_size = 1
         self._active = None  # the wrapper planned for the current batch
         # recorded after each plan's copies out of FlashInfer's pinned host buffers: the next
-        # plan waits for it before it writes them again (see _planned)
+        # plan waits for it before it writes them again (see _plan)
         self._plan_copied: torch.cuda.Event | None = None
         # or, for a small decode batch, the Triton kernel's index arrays (device tensors)
         self._small_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -101,77 +101,39 @@ class FlashInferBackend(AttentionBackend):
         kv_indptr = torch.from_numpy(meta.kv_indptr_cpu)
         last_page_len = torch.from_numpy(meta.kv_last_page_len_cpu)
         if meta.is_decode_only:
-            self._plan_decode(self._decode, kv_indptr, meta.kv_page_indices, last_page_len)
+            self._plan(self._decode, kv_indptr, meta.kv_page_indices, last_page_len)
         else:
-            self._plan_prefill(
+            self._plan(
                 self._prefill,
                 torch.from_numpy(meta.qo_indptr_cpu),
                 kv_indptr,
                 meta.kv_page_indices,
                 last_page_len,
+                causal=True,
             )
 
-    def _plan_prefill(
-        self,
-        wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper,
-        qo_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        last_page_len: torch.Tensor,
-        **extra,
-    ) -> None:
-        """Causal prefill over the paged pool, host index arrays (device page ids)."""
-        self._before_plan()
+    def _plan(self, wrapper, *indices: torch.Tensor, **extra) -> None:
+        """Plan `wrapper` (prefill: qo_indptr, kv_indptr, kv_indices, last_page_len and
+        causal=True; decode: the last three) over the pool: host index arrays, device page ids.
+
+        A plan writes the schedule into a pinned host buffer and queues its copy to the device
+        without waiting. With the overlap schedule the next step is planned while the device may
+        not have run the previous copy yet, and graphed wrappers of one size (or all the prefill
+        ones, which share scratch) reuse the same pinned buffer: so each plan first waits for the
+        previous plan's copies (in practice long done: the step before was collected)."""
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
         wrapper.plan(
-            qo_indptr,
-            kv_indptr,
-            kv_indices,
-            last_page_len,
+            *indices,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
             self.page_size,
-            causal=True,
             sm_scale=self.scale,
             q_data_type=self.kv_dtype,
             kv_data_type=self.kv_dtype,
             **extra,
         )
-        self._planned(wrapper)
-
-    def _plan_decode(
-        self,
-        wrapper: flashinfer.BatchDecodeWithPagedKVCacheWrapper,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        last_page_len: torch.Tensor,
-    ) -> None:
-        self._before_plan()
-        wrapper.plan(
-            kv_indptr,
-            kv_indices,
-            last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            sm_scale=self.scale,
-            q_data_type=self.kv_dtype,
-            kv_data_type=self.kv_dtype,
-        )
-        self._planned(wrapper)
-
-    # A plan writes the schedule into a pinned host buffer and queues its copy to the device
-    # without waiting. With the overlap schedule the next step is planned while the device may
-    # not have run the previous copy yet, and graphed wrappers of one size (or all the prefill
-    # ones, which share scratch) reuse the same pinned buffer: so each plan first waits for the
-    # previous plan's copies (in practice long done: the step before that was collected).
-
-    def _before_plan(self) -> None:
-        if self._plan_copied is not None:
-            self._plan_copied.synchronize()
-
-    def _planned(self, wrapper) -> None:
         self._active = wrapper
         if self.device.type == "cuda":
             self._plan_copied = torch.cuda.Event()
@@ -236,7 +198,7 @@ class FlashInferBackend(AttentionBackend):
                 paged_kv_last_page_len_buffer=self._graph_kv_last_page_len[:bs],
             )
             self._graph_wrappers[bs] = wrapper
-        self._plan_decode(
+        self._plan(
             wrapper, torch.from_numpy(kv_indptr), kv_indices, torch.from_numpy(kv_last_page_len)
         )
 
@@ -255,7 +217,7 @@ class FlashInferBackend(AttentionBackend):
 
     # a wrapper's own scratch: plan() fills it, run() (the graph) reads it. Plans and replays are
     # queued in step order on one stream and a plan waits for the previous plan's host copies
-    # (_before_plan), so every graphed wrapper can use the first one's: ~80 MB each otherwise
+    # (_plan), so every graphed wrapper can use the first one's: ~80 MB each otherwise
     # (FlashInfer 0.5.3 sizes them for 16M KV entries)
     _SCRATCH = (
         "_int_workspace_buffer",
@@ -300,12 +262,13 @@ class FlashInferBackend(AttentionBackend):
             self._share_scratch(wrapper)
             self._extend_wrappers[(bs, tokens)] = wrapper
         self._small_decode = None
-        self._plan_prefill(
+        self._plan(
             wrapper,
             torch.from_numpy(qo_indptr),
             torch.from_numpy(kv_indptr),
             kv_indices,
             torch.from_numpy(kv_last_page_len),
+            causal=True,
             disable_split_kv=True,  # FA2: the same kernels at every replay
         )
         self._out_cache_loc = out_cache_loc
