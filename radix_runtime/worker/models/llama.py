@@ -248,9 +248,7 @@ class LlamaForCausalLM(nn.Module):
                 x = ops.fused_add_rmsnorm(h, residual, layer.input_layernorm.weight, eps)
             a, mlp = layer.self_attn, layer.mlp
             qkv = ops.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
-            q, k = ops.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)
-            v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
-            out = attn.forward(a.layer_id, q, k, v, kv_pool).view(-1, c.q_size)
+            out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
             h = ops.linear(out, a.o_proj.weight, a.o_proj.bias)
             x = ops.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
             gate_up = ops.linear(x, mlp.gate_up_proj.weight, None)
@@ -267,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One token (a batch-1 decode step): four GEMVs per layer that carry the norms, the
         residual adds and SiLU-and-mul in their prologues/epilogues (`gpu_ops.gemv`), so a layer
-        is six kernels: qkv, RoPE, KV store, attention, o, gate/up, down."""
+        is eight kernels: the four GEMVs, RoPE, the KV store and attention's two (split, merge)."""
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         residual = h  # [1, hidden], updated in place by the o and down GEMVs
@@ -275,9 +273,7 @@ class LlamaForCausalLM(nn.Module):
             a, mlp = layer.self_attn, layer.mlp
             qkv = ops.gemv(residual, a.qkv_proj.weight, norm_weight=layer.input_layernorm.weight,
                            eps=eps)  # fmt: skip
-            q, k = ops.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)
-            v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
-            out = attn.forward(a.layer_id, q, k, v, kv_pool).view(-1, c.q_size)
+            out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
             ops.gemv(out, a.o_proj.weight, add_to=residual)
             gate_up = ops.gemv(
                 residual, mlp.gate_up_proj.weight, norm_weight=layer.post_attention_layernorm.weight,
@@ -285,6 +281,22 @@ class LlamaForCausalLM(nn.Module):
             )  # fmt: skip
             ops.gemv(gate_up, mlp.down_proj.weight, silu=True, add_to=residual)
         return ops.rmsnorm(residual, self.model.norm.weight, eps)
+
+    def _attend(
+        self,
+        layer_id: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        """The fused paths' attention from the qkv projection: RoPE on q and k in one kernel,
+        then the backend (which stores the new K/V); returns [N, q_size]."""
+        c = self.config
+        q, k = self._ops.rotary_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
+        return attn.forward(layer_id, q, k, v, kv_pool).view(-1, c.q_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> float32 [R, vocab]; called only on the rows that need logits."""
