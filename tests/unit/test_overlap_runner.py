@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from overlap_steps import GREEDY, RELEASE, first_step, req, second_step, third_step, tokens_of
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker.model_runner import ModelRunner
-
-GREEDY = m.SamplingParams(temperature=0.0)
-PENALIZED = m.SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=1.5)
-SEEDED = m.SamplingParams(temperature=0.9, top_k=20, seed=1234)
 
 
 @pytest.fixture(scope="module")
@@ -32,78 +29,8 @@ def runner():
     return ModelRunner(args)
 
 
-def req(slot, ids, start, pages=(), offset=0, **kw):
-    return m.ForwardReq(
-        slot=slot,
-        input_ids=m.pack_ids(ids),
-        start_pos=start,
-        page_offset=offset,
-        new_pages=m.pack_ids(list(pages)),
-        **kw,
-    )
-
-
-def first_step():
-    """Three new requests; slot 3 is a chunk that samples nothing."""
-    return m.ForwardBatch(
-        step=1,
-        reqs=[
-            req(
-                0,
-                [5, 6, 7, 8, 9],
-                0,
-                [1, 2],
-                new_slot=True,
-                sampling=GREEDY,
-                return_logprob=True,
-                top_logprobs_num=3,
-            ),  # fmt: skip
-            req(1, [9, 10, 9, 10], 0, [3, 4], new_slot=True, sampling=PENALIZED),
-            req(2, [11, 12, 13], 0, [5, 8], new_slot=True, sampling=SEEDED, return_logprob=True),
-            req(3, [20, 21, 22, 23], 0, [6, 7], new_slot=True, sampling=GREEDY, sample=False),
-        ],
-    )
-
-
-def second_step(tokens: dict[int, int] | None):
-    """Slots 0-2 decode the token they sampled (known: `tokens`, else from_last_sample), slot 3
-    gets its last chunk."""
-
-    def decode(slot, start, **kw):
-        if tokens is None:
-            return m.ForwardReq(
-                slot=slot, input_ids=b"", start_pos=start, from_last_sample=True, **kw
-            )
-        return req(slot, [tokens[slot]], start, **kw)
-
-    return m.ForwardBatch(
-        step=2,
-        reqs=[
-            decode(0, 5, return_logprob=True, top_logprobs_num=3),
-            decode(1, 4),
-            decode(2, 3, return_logprob=True),
-            req(3, [24, 25], 4),
-        ],
-    )
-
-
-def third_step(tokens: dict[int, int] | None):
-    """Every slot decodes again (slot 3 its first output)."""
-
-    def decode(slot, start):
-        if tokens is None:
-            return m.ForwardReq(slot=slot, input_ids=b"", start_pos=start, from_last_sample=True)
-        return req(slot, [tokens[slot]], start)
-
-    return m.ForwardBatch(step=3, reqs=[decode(0, 6), decode(1, 5), decode(2, 4), decode(3, 6)])
-
-
 def release_all(runner):
-    runner.forward(m.ForwardBatch(step=0, reqs=[], released_slots=list(range(8))))
-
-
-def tokens_of(result: m.ForwardResult) -> dict[int, int]:
-    return {i: r.next_id for i, r in enumerate(result.results) if r.next_id >= 0}
+    runner.forward(RELEASE)
 
 
 def strip_time(result: m.ForwardResult) -> m.ForwardResult:
