@@ -389,26 +389,25 @@ PyObject* tree_insert(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     });
 }
 
-PyObject* tree_lock(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_nargs("lock", nargs, 1)) return nullptr;
+// lock(node) / unlock(node): one node argument, the tree method `op` on it
+PyObject* node_call(const char* name, void (Tree::*op)(Node*), PyObject* self,
+                    PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_nargs(name, nargs, 1)) return nullptr;
     Tree* tree = tree_of(self);
     Node* node = tree ? node_arg(args[0]) : nullptr;
     if (!node) return nullptr;
     return guarded([&] {
-        tree->lock(node);
+        (tree->*op)(node);
         Py_RETURN_NONE;
     });
 }
 
+PyObject* tree_lock(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    return node_call("lock", &Tree::lock, self, args, nargs);
+}
+
 PyObject* tree_unlock(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_nargs("unlock", nargs, 1)) return nullptr;
-    Tree* tree = tree_of(self);
-    Node* node = tree ? node_arg(args[0]) : nullptr;
-    if (!node) return nullptr;
-    return guarded([&] {
-        tree->unlock(node);
-        Py_RETURN_NONE;
-    });
+    return node_call("unlock", &Tree::unlock, self, args, nargs);
 }
 
 bool int_arg(PyObject* o, int64_t* out) {
