@@ -114,26 +114,24 @@ class Bench:
 
     # -----------------------------------------------------------------------------------------
 
-    def decode(self, bs: int, ctx: int, warmup: int = 5, iters: int = 30) -> float:
-        """Median ms of a decode step of `bs` requests whose contexts start at `ctx` tokens."""
-        ps = self.runner.page_size
-        steps = warmup + iters
-        per_req = -(-(ctx + steps + 1) // ps)
+    def _first_decodes(self, bs: int, ctx: int, tokens: int) -> list[m.ForwardReq]:
+        """The first decode step of `bs` fresh slots whose contexts (random K/V) are `ctx` tokens,
+        each with pages for `tokens` more."""
+        per_req = -(-(ctx + tokens) // self.runner.page_size)
         self.next_page = 1
         rows = [self.pages(per_req) for _ in range(bs)]
         self.fill_random_kv(1, self.next_page)
-        tokens = self.ids(bs)
-        reqs = [
-            m.ForwardReq(
-                slot=i,
-                input_ids=m.pack_ids([tokens[i]]),
-                start_pos=ctx,
-                new_pages=m.pack_ids(rows[i]),
-                new_slot=True,
-                sampling=GREEDY,
-            )
+        ids = self.ids(bs)
+        return [
+            m.ForwardReq(slot=i, input_ids=m.pack_ids([ids[i]]), start_pos=ctx,
+                         new_pages=m.pack_ids(rows[i]), new_slot=True, sampling=GREEDY)
             for i in range(bs)
-        ]
+        ]  # fmt: skip
+
+    def decode(self, bs: int, ctx: int, warmup: int = 5, iters: int = 30) -> float:
+        """Median ms of a decode step of `bs` requests whose contexts start at `ctx` tokens."""
+        steps = warmup + iters
+        reqs = self._first_decodes(bs, ctx, steps + 1)
         times = []
         for step in range(steps):
             t0 = time.perf_counter()
@@ -151,18 +149,8 @@ class Bench:
         schedule: step N+1 is launched (its inputs the tokens step N samples, on the device)
         before step N's results are collected, so the host work of one step runs while the GPU
         runs the other. Time per step = wall time between consecutive collects."""
-        ps = self.runner.page_size
         steps = warmup + iters
-        per_req = -(-(ctx + steps + 2) // ps)
-        self.next_page = 1
-        rows = [self.pages(per_req) for _ in range(bs)]
-        self.fill_random_kv(1, self.next_page)
-        tokens = self.ids(bs)
-        first = [
-            m.ForwardReq(slot=i, input_ids=m.pack_ids([tokens[i]]), start_pos=ctx,
-                         new_pages=m.pack_ids(rows[i]), new_slot=True, sampling=GREEDY)
-            for i in range(bs)
-        ]  # fmt: skip
+        first = self._first_decodes(bs, ctx, steps + 2)
         self.step_no += 1
         pending = self.runner.launch(m.ForwardBatch(step=self.step_no, reqs=first))
         times, t_prev = [], time.perf_counter()
