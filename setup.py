@@ -70,6 +70,7 @@ setup(
         "fastapi",
         "uvicorn",
         "uvloop",
+        "httptools",  # uvicorn parses HTTP in C with it (pure-Python h11 without)
         "sentencepiece",
         "tokenizers>=0.19",
         "gguf>=0.10",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -572,15 +573,36 @@ def prepare_server(url: str, api_key: str | None) -> dict:
 # output
 
 
+def _version(module: str) -> str | None:
+    try:
+        return importlib.import_module(module).__version__
+    except ImportError:
+        return None
+
+
 def host_info() -> dict:
-    """What the numbers depend on besides the server: CPUs, the load when the run started, and
-    the OpenMP settings a CPU worker inherits."""
+    """What the numbers depend on besides the server: CPUs, the load when the run started, the
+    OpenMP settings a CPU worker inherits, and the event loop and HTTP parser that this client
+    and a launched server (same environment) run on: uvloop and httptools, or asyncio's own
+    loop and uvicorn's pure-Python h11 when they are missing (null here)."""
     env = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES")
     return {
         "cpus": os.cpu_count(),
         "loadavg_1m_at_start": os.getloadavg()[0],
         "env": {k: os.environ[k] for k in env if k in os.environ},
+        "uvloop": _version("uvloop"),
+        "httptools": _version("httptools"),
     }
+
+
+def run_async(coro):
+    """Run the client's coroutine on uvloop when it is installed (as the server does), else on
+    asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:

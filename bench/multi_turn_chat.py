@@ -304,7 +304,9 @@ def run(opts: argparse.Namespace) -> dict:
                 "max_total_tokens": info.get("max_total_tokens"),
                 "disable_radix_cache": info.get("disable_radix_cache"),
             }
-            turns, duration, lag = asyncio.run(run_trace(url, trace, opts, target.label, replay))
+            turns, duration, lag = common.run_async(
+                run_trace(url, trace, opts, target.label, replay)
+            )
             tokenizer = load_tokenizer(info) if opts.text else None
             optimal = optimal_per_turn(turns, page_size, tokenizer)
             sections[target.label] = section(turns, duration, opts.rounds, optimal) | lag

@@ -9,6 +9,12 @@
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
+#   mt:NAME:FLAGS    the same with the comma-separated server flags FLAGS -> h200_multi_turn_NAME.*
+#                    (e.g. mt:chunk1024:--chunked-prefill-size,1024)
+#   serve:NAME:FLAGS bench/serving.py, random 4-8K-token prompts, 128 tokens out, at 1 req/s (about
+#                    one at a time: a lone prompt's TTFT) and all at once (throughput), with the
+#                    comma-separated server flags FLAGS -> $OUT/h200_serving_NAME.{json,png}
+# The multi-turn stages keep the launched servers' logs in $OUT/logs_<name>/.
 # A stage given twice writes its repeat beside the first (name_<time>).
 # e.g.  bash bench/run_h200.sh tests kernels worker
 set -uo pipefail
@@ -18,6 +24,8 @@ source .devicekit/setup.sh || exit 1
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
+python3 -c "import uvloop, httptools; print('uvloop', uvloop.__version__, 'httptools', httptools.__version__)" \
+    || echo "no uvloop/httptools: the server runs on asyncio + h11 (bench/fetch_device_wheels.sh)"
 status=0
 for stage in "$@"; do
     t0=$(date +%s)
@@ -37,15 +45,31 @@ for stage in "$@"; do
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
-        multiturn|multiturn_mixed|multiturn_FLAGS)
+        multiturn|multiturn_mixed|multiturn_FLAGS|mt:*)
             flags="--load-format dummy" name=h200_multi_turn
             [ "$stage" = multiturn_mixed ] && flags="$flags --enable-mixed-chunk" name=h200_multi_turn_mixed
             [ "$stage" = multiturn_FLAGS ] && flags="$flags $MT_FLAGS" name=h200_multi_turn_$MT_NAME
+            if [[ $stage == mt:* ]]; then
+                IFS=: read -r _ mt_name mt_flags <<< "$stage"
+                flags="$flags ${mt_flags//,/ }" name=h200_multi_turn_$mt_name
+            fi
             [ -f "$OUT/$name.json" ] && name=${name}_$(date +%s)  # a repeat keeps the first
+            marker=$(mktemp)
             timeout 420 python3 bench/multi_turn_chat.py --model llama-3.1-8b --server-args "$flags" \
                 --clients 64 --rounds 6 --system-tokens 1024 --context-tokens 512 \
                 --user-tokens 128 --answer-tokens 128 --max-inflight 32 --compare-no-cache \
-                --out "$OUT/$name.json" --plot "$OUT/$name.png" || status=1 ;;
+                --out "$OUT/$name.json" --plot "$OUT/$name.png" || status=1
+            mkdir -p "$OUT/logs_$name"
+            find "${TMPDIR:-/tmp}" -maxdepth 2 -name 'server-*.log' -newer "$marker" \
+                -exec cp {} "$OUT/logs_$name/" \; ;;
+        serve:*)
+            IFS=: read -r _ sv_name sv_flags <<< "$stage"
+            timeout 300 python3 bench/serving.py --model llama-3.1-8b \
+                --server-args "--load-format dummy ${sv_flags//,/ }" --dataset random \
+                --num-prompts 32 --random-input-len 8192 --random-output-len 128 \
+                --random-range-ratio 0.5 --rates 1,inf \
+                --out "$OUT/h200_serving_$sv_name.json" --plot "$OUT/h200_serving_$sv_name.png" \
+                || status=1 ;;
         *)
             echo "unknown stage $stage"; status=1 ;;
     esac

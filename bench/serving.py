@@ -193,7 +193,7 @@ def run(opts: argparse.Namespace) -> dict:
                 if not common.flush_cache(url, opts.api_key):
                     print(f"warning: {url} refused /flush_cache", file=sys.stderr)
                 label = f"{target.label} rate={rate:g}"
-                pairs, duration = asyncio.run(run_rate(url, requests, rate, opts, label))
+                pairs, duration = common.run_async(run_rate(url, requests, rate, opts, label))
                 row = {"request_rate": "inf" if math.isinf(rate) else rate}
                 sweep.append({**row, **rate_summary(pairs, duration, page_size)})
             sweeps[target.label] = sweep
