@@ -32,7 +32,8 @@ class ServerArgs:
     max_total_tokens: int | None = None  # KV pool capacity in tokens; None: sized from memory
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
-    chunked_prefill_size: int = 2048
+    # token budget of a prefill step: see docs/decisions.md ("The prefill step's size")
+    chunked_prefill_size: int = 1024
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
     enable_mixed_chunk: bool = False  # decodes ride along with prefill chunks in one batch
     disable_radix_cache: bool = False
@@ -93,6 +94,9 @@ _HELP = {
     "model_config": "config.json for --load-format dummy (a path or a shipped name: llama-3.1-8b, tiny-llama)",
     "page_size": "tokens per KV page; 1 gives token-level prefix sharing",
     "max_total_tokens": "KV pool capacity in tokens (default: sized from memory)",
+    "chunked_prefill_size": "token budget of one prefill step; smaller steps let a burst's first "
+    "requests get their first token sooner, larger ones waste less per step (default 1024: "
+    "docs/decisions.md)",
     "schedule_policy": "lpm (longest prefix match), dfs-weight, or fcfs",
     "disable_radix_cache": "same code path, but nothing is reused across requests",
     "enable_mixed_chunk": "put decodes and prefill chunks in one batch (default: a step with "
