@@ -255,3 +255,20 @@ def test_jsonable_drops_non_finite_floats():
         "b": [None, 1.0],
         "c": [2],
     }
+
+
+def test_client_runs_on_uvloop_and_the_json_says_so():
+    """The benchmark clients run on uvloop (a dependency, as the server's loop), and the JSON's
+    host section names the loop and the HTTP parser a launched server gets."""
+    import asyncio
+
+    import httptools
+    import uvloop
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert common.run_async(loop_module()).startswith("uvloop")
+    host = common.host_info()
+    assert host["uvloop"] == uvloop.__version__
+    assert host["httptools"] == httptools.__version__
