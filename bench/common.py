@@ -605,6 +605,30 @@ def run_async(coro):
     return uvloop.run(coro)
 
 
+# the server settings a run's numbers depend on, as /get_server_info reports them
+SERVER_SETTINGS = (
+    "max_total_tokens",
+    "disable_radix_cache",
+    "chunked_prefill_size",
+    "schedule_policy",
+    "enable_mixed_chunk",
+    "disable_overlap_schedule",
+)
+
+
+def server_config(info: dict, url: str | None, flags: Sequence[str]) -> dict:
+    """What the JSON records of one server: where it ran, the flags it was launched with, its
+    page size and SERVER_SETTINGS (null when the server does not report one), so that a result
+    says e.g. which prefill step size it ran with even where the flags left it at the default."""
+    page_size = (info.get("cache") or {}).get("page_size") or info.get("page_size", 1)
+    return {
+        "url": url or "launched",
+        "flags": list(flags) if url is None else None,
+        "page_size": page_size,
+        **{key: info.get(key) for key in SERVER_SETTINGS},
+    }
+
+
 def fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
     if value is None:
         return "-"

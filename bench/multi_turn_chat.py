@@ -296,14 +296,9 @@ def run(opts: argparse.Namespace) -> dict:
                     vocab_size=info["vocab_size"],
                     context_length=info.get("context_length"),
                 )
-            page_size = (info.get("cache") or {}).get("page_size") or info.get("page_size", 1)
-            config[f"{target.label}_server"] = {
-                "url": target.url or "launched",
-                "flags": list(target.flags) if target.url is None else None,
-                "page_size": page_size,
-                "max_total_tokens": info.get("max_total_tokens"),
-                "disable_radix_cache": info.get("disable_radix_cache"),
-            }
+            server = common.server_config(info, target.url, target.flags)
+            config[f"{target.label}_server"] = server
+            page_size = server["page_size"]
             turns, duration, lag = common.run_async(
                 run_trace(url, trace, opts, target.label, replay)
             )

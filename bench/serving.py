@@ -181,13 +181,9 @@ def run(opts: argparse.Namespace) -> dict:
                     num_requests=len(requests),
                     input_tokens=sum(len(r.prompt) for r in requests),
                 )
-            page_size = (info.get("cache") or {}).get("page_size") or info.get("page_size", 1)
-            config[f"{target.label}_server"] = {
-                "url": target.url or "launched",
-                "flags": list(target.flags) if target.url is None else None,
-                "page_size": page_size,
-                "max_total_tokens": info.get("max_total_tokens"),
-            }
+            server = common.server_config(info, target.url, target.flags)
+            config[f"{target.label}_server"] = server
+            page_size = server["page_size"]
             sweep = []
             for rate in opts.rates:
                 if not common.flush_cache(url, opts.api_key):

@@ -98,6 +98,14 @@ def test_multi_turn_chat_cache_on_and_off(tmp_path):
     cfg = result["config"]
     assert (cfg["clients"], cfg["rounds"], cfg["answer_tokens"]) == (3, 2, 8)
     assert cfg["cache_on_server"]["page_size"] == 4
+    # the scheduling settings each server ran with, as it reported them (defaults included)
+    from radix_runtime.config import ServerArgs
+
+    for label, no_cache in (("cache_on", False), ("cache_off", True)):
+        server = cfg[f"{label}_server"]
+        assert server["disable_radix_cache"] is no_cache
+        assert server["chunked_prefill_size"] == ServerArgs().chunked_prefill_size
+        assert server["disable_overlap_schedule"] is False
     on, off = result["cache_on"], result["cache_off"]
     check_section(on, 6, rounds=2)
     check_section(off, 6, rounds=2)
