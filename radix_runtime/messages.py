@@ -118,6 +118,7 @@ class CacheStats(msgspec.Struct, frozen=True):
     hit_rate: float  # cached prompt tokens / prompt tokens since start
     cached_tokens: int = 0
     prompt_tokens: int = 0
+    tree: str = ""  # the radix tree implementation in use: "cpp" or "python"
 
 
 class ServerInfo(_Msg):

@@ -21,6 +21,11 @@ def make_radix_cache(impl: str, page_size: int, allocator: PageAllocator, disabl
                 raise RuntimeError(
                     f"--radix-tree-impl cpp: the C++ extension is not built ({exc})"
                 ) from exc
+            logger.warning(
+                "the C++ radix tree is not built (%s); using the Python tree (build it with "
+                "`pip install -e .` or `python setup.py build_ext --inplace`)",
+                exc,
+            )
         else:
             return CppRadixCache(page_size, allocator, disable=disable)
     return RadixCache(page_size, allocator, disable=disable)

@@ -76,12 +76,13 @@ class SchedulerProcess:
             )
         )
         logger.info(
-            "ready: %d pages of %d tokens, context %d, policy %s, radix cache %s",
+            "ready: %d pages of %d tokens, context %d, policy %s, radix cache %s (%s tree)",
             self.scheduler.allocator.total_pages,
             ready.page_size,
             ready.context_length,
             self.args.schedule_policy,
             "off" if self.args.disable_radix_cache else "on",
+            self.scheduler.tree_impl,
         )
 
     # -- messaging -------------------------------------------------------------------------

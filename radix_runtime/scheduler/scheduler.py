@@ -41,6 +41,7 @@ from radix_runtime.messages import (
 from radix_runtime.scheduler.allocator import PageAllocator
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.policy import order_waiting
+from radix_runtime.scheduler.radix_cache import RadixCache
 from radix_runtime.scheduler.request import PageRow, Req, ReqState
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Scheduler:
         self.cache = make_radix_cache(
             args.radix_tree_impl, self.page_size, self.allocator, disable=args.disable_radix_cache
         )
+        self.tree_impl = "python" if isinstance(self.cache, RadixCache) else "cpp"
         self.max_running = args.max_running_requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -647,6 +649,7 @@ class Scheduler:
             hit_rate=self.cached_tokens_total / prompt if prompt else 0.0,
             cached_tokens=self.cached_tokens_total,
             prompt_tokens=prompt,
+            tree=self.tree_impl,
         )
 
     def server_info(self) -> ServerInfo:

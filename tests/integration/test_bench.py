@@ -106,6 +106,7 @@ def test_multi_turn_chat_cache_on_and_off(tmp_path):
         assert server["disable_radix_cache"] is no_cache
         assert server["chunked_prefill_size"] == ServerArgs().chunked_prefill_size
         assert server["disable_overlap_schedule"] is False
+        assert server["radix_tree"] in ("cpp", "python")
     on, off = result["cache_on"], result["cache_off"]
     check_section(on, 6, rounds=2)
     check_section(off, 6, rounds=2)

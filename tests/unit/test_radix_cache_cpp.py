@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import numpy as np
 import pytest
 import test_allocator
@@ -30,10 +33,12 @@ from hypothesis.stateful import (
     rule,
 )
 
+from radix_runtime.config import ServerArgs
 from radix_runtime.scheduler import scheduler as scheduler_module
 from radix_runtime.scheduler.allocator import PageAllocator
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.radix_cache import RadixCache
+from radix_runtime.scheduler.scheduler import Scheduler
 
 cpp = pytest.importorskip(
     "radix_runtime.scheduler.radix_cache_cpp", reason="the C++ radix tree is not built"
@@ -597,6 +602,25 @@ def test_factory_picks_cpp_when_built():
     assert isinstance(make_radix_cache("auto", 1, alloc), CppRadixCache)
     assert isinstance(make_radix_cache("cpp", 1, alloc), CppRadixCache)
     assert isinstance(make_radix_cache("python", 1, alloc), RadixCache)
+
+
+def test_factory_falls_back_to_python_loudly(monkeypatch, caplog):
+    """Without the extension, "auto" takes the Python tree and says so in the log (a server
+    that silently runs the slower tree is hard to notice); "cpp" refuses."""
+    monkeypatch.setitem(sys.modules, "radix_runtime.scheduler.radix_cache_cpp", None)
+    alloc = PageAllocator(8)
+    with caplog.at_level(logging.WARNING, logger="radix_runtime.scheduler.cache"):
+        assert isinstance(make_radix_cache("auto", 1, alloc), RadixCache)
+    assert "the C++ radix tree is not built" in caplog.text
+    with pytest.raises(RuntimeError, match="not built"):
+        make_radix_cache("cpp", 1, alloc)
+
+
+@pytest.mark.parametrize("impl", ["python", "cpp"])
+def test_server_info_names_the_tree(impl):
+    args = ServerArgs(max_total_tokens=64, radix_tree_impl=impl)
+    sched = Scheduler(args, test_scheduler.FakeWorker(65, 1, 4).ready())
+    assert sched.server_info().cache.tree == impl
 
 
 # ---------------------------------------------------------------- 3. the scheduler on it
