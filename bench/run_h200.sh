@@ -31,6 +31,17 @@ for stage in "$@"; do
     t0=$(date +%s)
     echo "=== $stage"
     case $stage in
+        build)
+            timeout 300 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1
+            python3 -c "from radix_runtime.scheduler import _radix_tree; print('C++ radix tree built')" \
+                || { status=1; tail -20 "$OUT/build_ext.log"; } ;;
+        tree)
+            lscpu | grep -E "Model name|L2|L3" || true
+            timeout 300 python3 bench/radix_tree.py --no-progress \
+                --json "$OUT/h200_host_radix_tree.json" | grep -E "impl=|all |speedup|replays" \
+                || status=1
+            timeout 300 python3 bench/scheduler_step.py --json "$OUT/h200_host_scheduler_step.json" \
+                || status=1 ;;
         tests)
             python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 150 \
                 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt" || status=1 ;;
