@@ -618,8 +618,9 @@ SERVER_SETTINGS = (
 
 def server_config(info: dict, url: str | None, flags: Sequence[str]) -> dict:
     """What the JSON records of one server: where it ran, the flags it was launched with, its
-    page size, its radix tree implementation and SERVER_SETTINGS (null when the server does not report one), so that a result
-    says e.g. which prefill step size it ran with even where the flags left it at the default."""
+    page size, its radix tree implementation and SERVER_SETTINGS (null when the server does not
+    report one), so that a result says e.g. which prefill step size it ran with even where the
+    flags left it at the default."""
     page_size = (info.get("cache") or {}).get("page_size") or info.get("page_size", 1)
     return {
         "url": url or "launched",
