@@ -14,6 +14,9 @@
 #   serve:NAME:FLAGS bench/serving.py, random 4-8K-token prompts, 128 tokens out, at 1 req/s (about
 #                    one at a time: a lone prompt's TTFT) and all at once (throughput), with the
 #                    comma-separated server flags FLAGS -> $OUT/h200_serving_NAME.{json,png}
+#   serving_gsp      bench/serving.py, generated-shared-prefix (8 groups x 16 prompts sharing a
+#                    2,048-token system prompt, 128-token questions and answers), rates 8, 32, inf,
+#                    cache on and off -> $OUT/h200_serving.{json,png}
 # The multi-turn stages keep the launched servers' logs in $OUT/logs_<name>/.
 # A stage given twice writes its repeat beside the first (name_<time>).
 # e.g.  bash bench/run_h200.sh tests kernels worker
@@ -81,6 +84,12 @@ for stage in "$@"; do
                 --random-range-ratio 0.5 --rates 1,inf \
                 --out "$OUT/h200_serving_$sv_name.json" --plot "$OUT/h200_serving_$sv_name.png" \
                 || status=1 ;;
+        serving_gsp)
+            timeout 400 python3 bench/serving.py --model llama-3.1-8b \
+                --server-args "--load-format dummy" --dataset generated-shared-prefix \
+                --num-groups 8 --prompts-per-group 16 --system-prompt-len 2048 \
+                --question-len 128 --output-len 128 --rates 8,32,inf --compare-no-cache \
+                --out "$OUT/h200_serving.json" --plot "$OUT/h200_serving.png" || status=1 ;;
         *)
             echo "unknown stage $stage"; status=1 ;;
     esac

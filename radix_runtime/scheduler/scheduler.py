@@ -46,8 +46,9 @@ from radix_runtime.scheduler.request import PageRow, Req, ReqState
 
 logger = logging.getLogger(__name__)
 
-# A waiting request that shares at least this many not-yet-cached tokens with a request admitted
-# in the same step waits one step, so the shared prefix is computed once and then matched.
+# A waiting request that shares at least this many not-yet-cached tokens with a request that is
+# computing them (admitted in this step, still prefilling, or prefilling in the step in flight)
+# waits until they are cached, so the shared prefix is computed once and then matched.
 IN_BATCH_SHARE_THRESHOLD = 32
 
 
@@ -257,6 +258,8 @@ class Scheduler:
         if self.args.disable_overlap_schedule:
             return None
         rows = [p for p in inflight if p.req.state is ReqState.RUNNING]
+        # whose KV computed by N is not in the tree until N's result is processed
+        prefilling_in_n = [p.req for p in rows if not p.req.is_decoding]
         finishing = set()
         for p in rows:
             req = p.req
@@ -278,8 +281,7 @@ class Scheduler:
         plan: list[PlannedReq] | None = None
         batch = None
         try:
-            admitted_in_n = [p.req for p in rows if p.admitted]
-            plan = self._plan(ahead=True, shared_with=admitted_in_n)
+            plan = self._plan(ahead=True, shared_with=prefilling_in_n)
             if plan:
                 for p in plan:
                     p.start = p.req.kv_len
@@ -348,8 +350,12 @@ class Scheduler:
         self, plan: list[PlannedReq], budget: int, reserve: int, shared_with: list[Req] = ()
     ) -> None:
         """Admit waiting requests in policy order; `reserve` pages stay free for the running
-        decoders' next tokens, so an admission never forces a retraction. `shared_with`: requests
-        admitted in the step still in flight (their prefixes are not in the tree yet)."""
+        decoders' next tokens, so an admission never forces a retraction. A request that shares
+        at least IN_BATCH_SHARE_THRESHOLD not-yet-cached prompt tokens with one that is computing
+        them waits: with a request admitted in this step, with a running request whose prefill is
+        not done (a prefix longer than a chunk is cached chunk by chunk), and with `shared_with`,
+        the requests that had prefill rows in the step still in flight (their KV is not in the
+        tree yet). Then it matches the whole prefix instead of computing it again."""
         if not self.waiting or budget <= 0:
             return
         matches = {}
@@ -367,7 +373,12 @@ class Scheduler:
             match_len=lambda r: ordering_match(r).length,
             match_node=lambda r: ordering_match(r).node,
         )
-        admitted: list[Req] = list(shared_with)
+        computing = {id(r) for r in shared_with}
+        admitted: list[Req] = list(shared_with) + [
+            r
+            for r in self.running
+            if not r.is_decoding and r.remaining_fill > 0 and id(r) not in computing
+        ]
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.max_running or not self.free_slots:
                 break
@@ -402,19 +413,27 @@ class Scheduler:
         """Pages to keep free for the running decoders' next tokens (one each, conservatively)."""
         return sum(1 for r in self.running if r.is_decoding)
 
-    def _match(self, req: Req):
-        """Longest cached prefix, always leaving one token to compute (and the prompt positions
-        whose logprobs were asked for)."""
+    @staticmethod
+    def _match_limit(req: Req) -> int:
+        """How far a match may go: always one token to compute, and the prompt positions whose
+        logprobs were asked for."""
         limit = req.all_len - 1
         if req.logprob_start_len >= 0:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
-        return self.cache.match_prefix(req.ids_slice(0, limit))
+        return limit
+
+    def _match(self, req: Req):
+        """Longest cached prefix within `_match_limit`."""
+        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)))
 
     def _shares_uncached_prefix(self, req: Req, cached: int, admitted: list[Req]) -> bool:
+        """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
+        of `admitted` that it could match once they are cached (so waiting pays off)."""
         if self.cache.disable:
             return False
+        limit = self._match_limit(req)
         for other in admitted:
-            n = min(len(req.prompt), len(other.prompt))
+            n = min(len(req.prompt), len(other.prompt), limit)
             if n - cached < IN_BATCH_SHARE_THRESHOLD:
                 continue
             a, b = req.prompt[cached:n], other.prompt[cached:n]

@@ -553,6 +553,62 @@ def test_in_batch_prefix_is_computed_once():
     assert sched.cached_tokens_total >= 3 * 100
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_longer_than_a_chunk_is_computed_once(overlap, mixed, page_size):
+    """Requests sharing a prefix that takes the first one several chunks to compute (a long
+    document, concurrent questions) wait until it is in the tree instead of computing its later
+    chunks again; they may arrive together or while it is being computed."""
+    shared = [1 + i % 90 for i in range(230)]  # 64-token chunks leave 38 (>= the threshold)
+    prompts = [shared + [91 + i] * 20 for i in range(5)]
+    out, fin, sched = run_workload(
+        prompts, 3, chunk=64, overlap=overlap, mixed=mixed, page_size=page_size,
+        arrivals=[0, 0, 1, 2, 5],
+    )  # fmt: skip
+    # the first computes the 230 shared tokens (in four chunks); the other four hit all of them
+    # that fill whole pages
+    assert sched.cached_tokens_total == 4 * (230 // page_size * page_size)
+    # and the outputs are those of the cache-off server
+    ref_out, ref_fin, _ = run_workload(
+        prompts, 3, chunk=64, overlap=overlap, mixed=mixed, page_size=page_size,
+        arrivals=[0, 0, 1, 2, 5], disable=True,
+    )  # fmt: skip
+    assert (out, fin) == (ref_out, ref_fin)
+
+
+@pytest.mark.parametrize("prompt_logprobs", [False, True])
+def test_waiting_for_a_shared_prefix_only_when_it_can_be_matched(prompt_logprobs):
+    """B arrives while A computes their shared 250 tokens. B waits for A's last chunk and then
+    matches all of them; but a B that asks for the prompt's logprobs from position 0 cannot
+    match them anyway (those positions must be computed), so it starts at once."""
+    shared = [1 + i % 90 for i in range(250)]
+    args = ServerArgs(max_total_tokens=1024, radix_tree_impl="python", chunked_prefill_size=200)
+    worker = FakeWorker(1025, 1, 8)
+    sched = Scheduler(args, worker.ready())
+    sampling = m.SamplingParams(max_new_tokens=2, temperature=0.0)
+
+    def add(rid, tail, **kw):
+        ids = m.pack_ids(shared + [tail] * 20)
+        sched.add_request(m.GenerateReq(rid=rid, input_ids=ids, sampling=sampling, **kw))
+
+    def step():
+        batch, plan = sched.schedule()
+        sched.process_result(plan, worker.forward(batch))
+        return [(p.req.rid, p.num_tokens) for p in plan]
+
+    add("A", 91)
+    assert step() == [("A", 200)]
+    add("B", 92, logprob_start_len=0 if prompt_logprobs else -1)
+    if prompt_logprobs:
+        assert step() == [("A", 70), ("B", 130)]
+        assert sched.reqs["B"].cached_tokens == 0
+    else:
+        assert step() == [("A", 70)]  # B waits: A's last chunk holds 50 tokens B shares
+        assert step() == [("B", 20)]
+        assert sched.reqs["B"].cached_tokens == 250
+
+
 def test_prefill_only_request_warms_the_cache():
     args = ServerArgs(max_total_tokens=512, radix_tree_impl="python")
     worker = FakeWorker(513, 1, 8)
