@@ -61,7 +61,6 @@ class PlannedReq:
     req: Req
     num_tokens: int
     sample: bool
-    admitted: bool = False  # the request's first chunk after admission
     start: int = -1  # kv_len the step starts from (run-ahead steps; checked when processed)
 
 
@@ -373,17 +372,18 @@ class Scheduler:
             match_len=lambda r: ordering_match(r).length,
             match_node=lambda r: ordering_match(r).node,
         )
-        computing = {id(r) for r in shared_with}
-        admitted: list[Req] = list(shared_with) + [
+        # requests computing prompt tokens that are not in the tree yet
+        listed = {id(r) for r in shared_with}
+        computing: list[Req] = list(shared_with) + [
             r
             for r in self.running
-            if not r.is_decoding and r.remaining_fill > 0 and id(r) not in computing
+            if not r.is_decoding and r.remaining_fill > 0 and id(r) not in listed
         ]
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.max_running or not self.free_slots:
                 break
             match = self._match(req)
-            if self._shares_uncached_prefix(req, match.length, admitted):
+            if self._shares_uncached_prefix(req, match.length, computing):
                 continue
             self.cache.lock(match.node)
             req.node = match.node
@@ -404,9 +404,9 @@ class Scheduler:
             req.state = ReqState.RUNNING
             self.waiting.remove(req)
             self.running.append(req)
-            admitted.append(req)
+            computing.append(req)
             sample = req.kv_len + n == req.all_len and not req.prefill_only
-            plan.append(PlannedReq(req, n, sample, admitted=True))
+            plan.append(PlannedReq(req, n, sample))
             budget -= n
 
     def _decode_reserve(self) -> int:
@@ -426,13 +426,13 @@ class Scheduler:
         """Longest cached prefix within `_match_limit`."""
         return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)))
 
-    def _shares_uncached_prefix(self, req: Req, cached: int, admitted: list[Req]) -> bool:
+    def _shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
-        of `admitted` that it could match once they are cached (so waiting pays off)."""
+        of `computing` that it could match once they are cached (so waiting pays off)."""
         if self.cache.disable:
             return False
         limit = self._match_limit(req)
-        for other in admitted:
+        for other in computing:
             n = min(len(req.prompt), len(other.prompt), limit)
             if n - cached < IN_BATCH_SHARE_THRESHOLD:
                 continue
