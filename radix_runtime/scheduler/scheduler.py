@@ -372,16 +372,12 @@ class Scheduler:
             match_len=lambda r: ordering_match(r).length,
             match_node=lambda r: ordering_match(r).node,
         )
-        # requests computing prompt tokens that are not in the tree yet
-        listed = {id(r) for r in shared_with}
-        computing: list[Req] = list(shared_with) + [
-            r
-            for r in self.running
-            if not r.is_decoding and r.remaining_fill > 0 and id(r) not in listed
-        ]
+        computing: list[Req] | None = None  # built once something can be admitted
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.max_running or not self.free_slots:
                 break
+            if computing is None:
+                computing = self._computing_uncached(shared_with)
             match = self._match(req)
             if self._shares_uncached_prefix(req, match.length, computing):
                 continue
@@ -408,6 +404,12 @@ class Scheduler:
             sample = req.kv_len + n == req.all_len and not req.prefill_only
             plan.append(PlannedReq(req, n, sample))
             budget -= n
+
+    def _computing_uncached(self, shared_with: list[Req]) -> list[Req]:
+        """The requests computing prompt tokens that are not in the tree yet: `shared_with` and
+        the running requests whose prefill is not done (each once; Req hashes by identity)."""
+        prefilling = (r for r in self.running if not r.is_decoding and r.remaining_fill > 0)
+        return list(dict.fromkeys([*shared_with, *prefilling]))
 
     def _decode_reserve(self) -> int:
         """Pages to keep free for the running decoders' next tokens (one each, conservatively)."""
