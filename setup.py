@@ -92,7 +92,9 @@ setup(
             "transformers",
             "matplotlib",
         ],
-        "bench": ["matplotlib", "httpx"],
+        # llama-cpp-python: the llama.cpp server bench/cpu_decode.py compares against (it
+        # compiles llama.cpp from source: minutes; CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU)
+        "bench": ["matplotlib", "httpx", "llama-cpp-python[server]"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},

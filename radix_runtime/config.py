@@ -18,6 +18,8 @@ class ServerArgs:
     model_config: str | None = None  # JSON config for dummy weights (name or path)
     tokenizer: str | None = None  # override tokenizer source
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # CPU weights: auto | float32 | bfloat16 | int8 | int4 (see worker/cpu_quant.py)
+    cpu_weight_format: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # override the model's context length
     served_model_name: str | None = None
@@ -80,6 +82,20 @@ class ServerArgs:
             raise ValueError(f"unknown --attention-backend {self.attention_backend!r}")
         if self.cuda_graph_max_extend_tokens < 0:
             raise ValueError("--cuda-graph-max-extend-tokens must be >= 0")
+        if self.cpu_weight_format not in _CHOICES["cpu_weight_format"]:
+            raise ValueError(f"unknown --cpu-weight-format {self.cpu_weight_format!r}")
+        if self.cpu_weight_format != "auto" and self.device == "cuda":
+            raise ValueError("--cpu-weight-format applies to the CPU; leave it at auto on CUDA")
+        if self.cpu_weight_format == "float32" and self.dtype in ("bfloat16", "float16"):
+            raise ValueError("--cpu-weight-format float32 needs --dtype float32 or auto")
+        if self.cpu_weight_format in ("bfloat16", "int8", "int4") and self.dtype in (
+            "float32",
+            "float16",
+        ):
+            raise ValueError(
+                f"--cpu-weight-format {self.cpu_weight_format} runs bfloat16 activations: "
+                "use --dtype bfloat16 or auto"
+            )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
 
@@ -106,6 +122,9 @@ _HELP = {
     "token the worker just sampled on the device)",
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
+    "cpu_weight_format": "weights on the CPU: float32, bfloat16, or weight-only int8 / int4 "
+    "(bfloat16 activations); auto: int4 for 4-bit GGUF files (their own grid), int8 for 8-bit "
+    "ones, float32 otherwise (docs/decisions.md)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
 }
 
@@ -113,6 +132,7 @@ _CHOICES = {
     "load_format": ["auto", "gguf", "safetensors", "dummy"],
     "schedule_policy": ["lpm", "dfs-weight", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "cpu_weight_format": ["auto", "float32", "bfloat16", "int8", "int4"],
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],

@@ -158,3 +158,10 @@ def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
 
 def num_weight_tensors(reader) -> int:
     return sum(1 for t in reader.tensors if t.name != ROPE_FREQS)
+
+
+def tensor_types(reader) -> dict[str, str]:
+    """HF name -> GGUF tensor type name (`Q4_1`, `Q8_0`, `F32`, ...) of every weight."""
+    return {
+        hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors if t.name != ROPE_FREQS
+    }

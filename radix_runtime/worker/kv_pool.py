@@ -59,8 +59,9 @@ class KVPool:
         self, layer_id: int, cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Write K/V of shape [n, kv_heads, head_dim] at the flat locations `cache_loc` [n]."""
-        self.k_flat(layer_id)[cache_loc] = k.to(self.dtype)
-        self.v_flat(layer_id)[cache_loc] = v.to(self.dtype)
+        # index_copy_: the same copy as `flat[cache_loc] = k`, without advanced indexing's setup
+        self.k_flat(layer_id).index_copy_(0, cache_loc, k.to(self.dtype))
+        self.v_flat(layer_id).index_copy_(0, cache_loc, v.to(self.dtype))
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

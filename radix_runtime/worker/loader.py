@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.model_source import ModelSource, resolve_model
-from radix_runtime.worker import gguf_format
+from radix_runtime.worker import cpu_quant, gguf_format
 from radix_runtime.worker.model_config import ModelConfig, load_hf_config
 from radix_runtime.worker.models.llama import LlamaForCausalLM, build_model, fuse_checkpoint
 
@@ -45,6 +45,8 @@ class LoadedModel:
     model: LlamaForCausalLM
     load_s: float
     cache_hit: bool | None = None  # GGUF only: whether the converted cache was used
+    dtype: torch.dtype = torch.float32  # of the activations (and the KV cache)
+    weight_format: str = "float32"  # on the CPU: float32 | bfloat16 | int8 | int4
 
 
 def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -69,13 +71,53 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
         )
     elif source.kind == "gguf":
         config, weights, total, cache_hit = gguf_checkpoint(source.path)
-        model = build_model(config, device, dtype)
+        gguf_types = gguf_format.tensor_types(gguf_format.open_gguf(source.path))
+        weight_format = resolve_cpu_weight_format(args, device, dtype, gguf_types)
+        # quantized formats are fitted from the float32 dequantization (exact Q4 grids)
+        build_dtype = torch.float32 if weight_format in ("int8", "int4") else dtype
+        model = build_model(config, device, build_dtype)
         model.load_weights(_progress(weights, "loading weights", total))
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
+    if source.kind != "gguf":
+        gguf_types = {}
+        weight_format = resolve_cpu_weight_format(args, device, dtype, gguf_types)
+    if device.type == "cpu" and weight_format != "float32":
+        model, dtype = to_cpu_weight_format(model, weight_format, gguf_types), torch.bfloat16
     load_s = time.perf_counter() - t0
-    logger.info("loaded %s (%s) in %.2fs", source.name, source.kind, load_s)
-    return LoadedModel(source, config, model, load_s, cache_hit)
+    logger.info(
+        "loaded %s (%s) in %.2fs, weights %s", source.name, source.kind, load_s, weight_format
+    )
+    return LoadedModel(source, config, model, load_s, cache_hit, dtype, weight_format)
+
+
+def resolve_cpu_weight_format(
+    args: ServerArgs, device: torch.device, dtype: torch.dtype, gguf_types: dict[str, str]
+) -> str:
+    """--cpu-weight-format with --dtype: `auto` follows an explicit --dtype, else the checkpoint
+    (`cpu_quant.auto_format`); off the CPU the weights stay in `dtype` (its name is returned)."""
+    fmt = args.cpu_weight_format
+    if device.type != "cpu":
+        if fmt != "auto":
+            raise ValueError("--cpu-weight-format applies to the CPU; leave it at auto on CUDA")
+        return str(dtype).removeprefix("torch.")
+    if fmt == "auto":
+        if args.dtype == "float32":
+            return "float32"
+        fmt = cpu_quant.auto_format(gguf_types)
+        if args.dtype == "bfloat16" and fmt == "float32":
+            return "bfloat16"
+    return fmt
+
+
+def to_cpu_weight_format(
+    model: LlamaForCausalLM, weight_format: str, gguf_types: dict[str, str]
+) -> LlamaForCausalLM:
+    """A float32 (or bf16) model -> bf16 activations with bf16 / int8 / int4 projections."""
+    if weight_format in ("int8", "int4"):
+        model.float()
+        cpu_quant.quantize_model(model, weight_format, gguf_types)
+    return model.to(torch.bfloat16)
 
 
 def _progress(it: Iterable, desc: str, total: int | None) -> Iterable:

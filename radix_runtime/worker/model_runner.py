@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -50,6 +51,16 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but CUDA is not available")
     return torch.device(name)
+
+
+def cpu_threads() -> int:
+    """Intra-op threads for the CPU path: OMP_NUM_THREADS when set, else the cores this process
+    may run on (its affinity mask, which a container or `taskset` narrows; torch's default counts
+    every core of the host)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0))
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -93,9 +104,12 @@ class ModelRunner:
         self.args = args
         self.device = pick_device(args.device)
         self.dtype = pick_dtype(args.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads())
         torch.manual_seed(args.seed)
         loaded = load_model(args, self.device, self.dtype)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
+        self.dtype, self.weight_format = loaded.dtype, loaded.weight_format
         self.model_name = loaded.source.name
         c = self.config
         self.page_size = args.page_size

@@ -67,7 +67,11 @@ def hf(gguf_path):
 def runner(gguf_path, tmp_path_factory):
     """Loads twice into a fresh conversion cache: the first load converts, the second hits."""
     args = ServerArgs(
-        max_total_tokens=2048, page_size=PAGE_SIZE, max_running_requests=4, device="cpu"
+        max_total_tokens=2048,
+        page_size=PAGE_SIZE,
+        max_running_requests=4,
+        device="cpu",
+        cpu_weight_format="float32",  # compared with transformers' float32 model
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(loader.CACHE_ENV, str(tmp_path_factory.mktemp("gguf_cache")))

@@ -138,10 +138,13 @@ class LlamaAttention(nn.Module):
         kv_pool: KVPool,
     ) -> torch.Tensor:
         c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        qkv = self.qkv_proj(x)
+        # RoPE on the q and k heads in one go (the same elementwise math as one call each)
+        qk = qkv[:, : c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+        q, k = apply_rope(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
+        if x.device.type != "cpu":  # as before for the CUDA kernels; the torch backend takes views
+            q, k = q.contiguous(), k.contiguous()
+        v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
         out = attn.forward(self.layer_id, q, k, v, kv_pool)
         return self.o_proj(out.reshape(-1, c.q_size))
 
@@ -300,6 +303,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> float32 [R, vocab]; called only on the rows that need logits."""
+        if self.lm_head is not None and not isinstance(self.lm_head, Linear):
+            return self.lm_head(hidden).float()  # a CPU int8/int4 head (worker/cpu_quant.py)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self._ops is not None:
             return self._ops.linear(hidden, weight, None).float()
