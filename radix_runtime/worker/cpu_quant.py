@@ -17,7 +17,8 @@ per-channel int8, or min/max int4 groups of 32 (K-quants' 6-bit sub-block scales
 span q = 0..15, so their 4-bit groups are refitted, at most half a step off).
 
 The tied embedding stays a bf16 table for the lookup; its use as the LM head becomes a separate
-quantized linear. docs/decisions.md ("CPU weight formats") has the measurements behind `auto`.
+quantized linear. In the int4 format a GGUF matrix stored at more than 4 bits (the default model's
+Q8_0 embedding) stays int8: int4 never makes a weight coarser than the file's. docs/decisions.md ("CPU weight formats") has the measurements behind `auto`.
 """
 
 from __future__ import annotations
@@ -133,6 +134,14 @@ def _parts(gguf_types: dict[str, str], param: str) -> list[str]:
     return [t for name, t in gguf_types.items() if fused_name(name)[0] == param]
 
 
+def _int4_keeps(gguf_types: dict[str, str], param: str) -> bool:
+    """Whether int4 keeps this parameter's precision: GGUF matrices stored at more than 4 bits
+    (the default model's Q8_0 embedding, used as its LM head) stay int8 in the int4 format
+    (measured: a 4-bit head moved the default model's logits by 2.7 and its answer off "Paris")."""
+    parts = _parts(gguf_types, param)
+    return not parts or all(t in GGUF_4BIT for t in parts)
+
+
 def auto_format(gguf_types: dict[str, str] | None) -> str:
     """`auto`: int4 when the checkpoint's matrices are GGUF 4-bit types (int4 holds their grid:
     the fastest format and no new rounding of the weights), int8 when they are 8/5/6-bit GGUF
@@ -160,7 +169,7 @@ def quantize_model(model: nn.Module, weight_format: str, gguf_types: dict[str, s
     def convert(name: str, lin: Linear) -> nn.Module:
         w = lin.weight.data.float()
         bias = None if lin.bias is None else lin.bias.data
-        if weight_format == "int8":
+        if weight_format == "int8" or not _int4_keeps(gguf_types, name + ".weight"):
             return Int8Linear(w, bias)
         return Int4Linear(w, bias, int4_fit(gguf_types, name + ".weight"))
 
