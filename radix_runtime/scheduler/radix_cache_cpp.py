@@ -108,12 +108,12 @@ class CppRadixCache:
 
     # ---- match / insert ----
 
-    def match_prefix(self, tokens) -> MatchResult:
+    def match_prefix(self, tokens, namespace: str | None = None) -> MatchResult:
         if self.disable:
             return MatchResult(_EMPTY, 0, self._tree.root)
-        return self._tree.match_prefix(tokens)
+        return self._tree.match_prefix(tokens, namespace)
 
-    def insert(self, tokens, pages) -> InsertResult:
+    def insert(self, tokens, pages, namespace: str | None = None) -> InsertResult:
         if self.disable:  # all "duplicates": the caller frees them
             tokens = _as_tokens(tokens)
             num_pages = len(tokens) // self.page_size
@@ -122,7 +122,7 @@ class CppRadixCache:
                     f"{len(tokens)} tokens need {num_pages} pages, got {np.asarray(pages).size}"
                 )
             return InsertResult(num_pages * self.page_size, self._tree.root)
-        return self._tree.insert(tokens, pages)
+        return self._tree.insert(tokens, pages, namespace)
 
     # ---- locks ----
 

@@ -128,6 +128,7 @@ class Scheduler:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            namespace=msg.cache_namespace or None,
         )
         self.arrivals += 1
         self.reqs[req.rid] = req
@@ -426,15 +427,18 @@ class Scheduler:
 
     def _match(self, req: Req):
         """Longest cached prefix within `_match_limit`."""
-        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)))
+        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)), req.namespace)
 
     def _shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
-        of `computing` that it could match once they are cached (so waiting pays off)."""
+        of `computing` that it could match once they are cached (so waiting pays off): only one
+        in its own cache namespace, whose prefix it will be able to match."""
         if self.cache.disable:
             return False
         limit = self._match_limit(req)
         for other in computing:
+            if other.namespace != req.namespace:
+                continue
             n = min(len(req.prompt), len(other.prompt), limit)
             if n - cached < IN_BATCH_SHARE_THRESHOLD:
                 continue
@@ -598,9 +602,9 @@ class Scheduler:
         if n_pages <= req.tree_pages:
             return
         ids = req.ids_slice(0, aligned)
-        res = self.cache.insert(ids, req.pages[:n_pages])
+        res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
         dup_hi = res.prefix_len // self.page_size
-        match = self.cache.match_prefix(ids)
+        match = self.cache.match_prefix(ids, req.namespace)
         assert match.length == aligned, (match.length, aligned)
         if dup_hi > req.tree_pages:
             # someone else cached these tokens first: use their pages, free ours
@@ -617,7 +621,7 @@ class Scheduler:
         if req.node is not None:
             aligned = req.kv_len // self.page_size * self.page_size
             n_pages = aligned // self.page_size
-            res = self.cache.insert(req.ids_slice(0, aligned), req.pages[:n_pages])
+            res = self.cache.insert(req.ids_slice(0, aligned), req.pages[:n_pages], req.namespace)
             dup_hi = min(res.prefix_len // self.page_size, n_pages)
             if dup_hi > req.tree_pages:
                 self.allocator.free(req.pages[req.tree_pages : dup_hi])
