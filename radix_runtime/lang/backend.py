@@ -162,10 +162,19 @@ class Backend:
 class RuntimeEndpoint(Backend):
     """A running ``radix-runtime serve`` at ``url``."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float | None = 600) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout: float | None = 600,
+        cache_salt: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
+        # every /generate request carries it: the program's prefixes are cached in its own
+        # namespace, shared only with requests of the same salt (docs/tenancy.md)
+        self.cache_salt = cache_salt
         host = urllib.parse.urlsplit(self.url).hostname or ""
         # proxies from the environment must not capture a server on this machine
         handlers = [urllib.request.ProxyHandler({})] if _is_loopback(host) else []
@@ -182,6 +191,8 @@ class RuntimeEndpoint(Backend):
         headers = {"Accept": "application/json"}
         data = None
         if body is not None:
+            if self.cache_salt is not None and path == "/generate":
+                body = {**body, "cache_salt": self.cache_salt}
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
         if self.api_key:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -39,6 +38,7 @@ from radix_runtime.server.errors import (
     error_response,
     install_error_handlers,
 )
+from radix_runtime.server.tenancy import Tenant, cache_namespace, find_tenant, load_tenants
 
 logger = logging.getLogger(__name__)
 
@@ -196,14 +196,19 @@ class _SSEResponse(StreamingResponse):
 # auth
 
 
+# where the auth middleware leaves the caller's tenant for the routes (the ASGI scope)
+TENANT_SCOPE_KEY = "radix_runtime.tenant"
+
+
 class _AuthMiddleware:
-    """``Authorization: Bearer <key>`` on every route but /health."""
+    """``Authorization: Bearer <key>`` on every route but /health; the tenant whose key matched
+    is left in the scope (``TENANT_SCOPE_KEY``) for the cache namespace."""
 
     OPEN_PATHS = frozenset({"/health"})
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, tenants: list[Tenant]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
@@ -213,7 +218,10 @@ class _AuthMiddleware:
             if name == b"authorization":
                 given = value
                 break
-        if hmac.compare_digest(given, self.expected):
+        # NOTE: find_tenant compares with every key, each with hmac.compare_digest
+        tenant = find_tenant(self.tenants, given)
+        if tenant is not None:
+            scope[TENANT_SCOPE_KEY] = tenant
             return await self.app(scope, receive, send)
         err = ApiError(
             "missing or invalid API key (expected 'Authorization: Bearer <key>')",
@@ -333,6 +341,14 @@ class _Api:
             run.close()
         yield _SSE_DONE
 
+    def namespace(
+        self, request: Request | None, req: P._OpenAIRequest | P.NativeGenerateRequest
+    ) -> str:
+        """The radix tree namespace of this request (server/tenancy.py)."""
+        salt = P.cache_salt(req)
+        tenant = request.scope.get(TENANT_SCOPE_KEY) if request is not None else None
+        return cache_namespace(self.args.cache_isolation, tenant, salt)
+
     # --- tokenization
 
     def tokenizer(self, param: str) -> Any:
@@ -393,6 +409,7 @@ class _Api:
             )
         stop = P.normalize_stop(req.stop)
         base = P.sampling_params(req, limits, 1)
+        namespace = self.namespace(request, req)
         messages = P.chat_messages(req)
         ids = self.chat_prompt_ids(messages)
         max_new = P.resolve_max_new_tokens(
@@ -409,6 +426,7 @@ class _Api:
                 return_logprob=req.logprobs,
                 top_logprobs_num=top_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                cache_namespace=namespace,
             )
             for i in range(req.n)
         ]
@@ -435,6 +453,7 @@ class _Api:
             raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
         stop = P.normalize_stop(req.stop)
         base = P.sampling_params(req, limits, 1)
+        namespace = self.namespace(request, req)
         prompts = P.split_prompts(req.prompt, limits.vocab_size, "prompt")
         P.check_n(req.n, len(prompts))
         rid = P.new_id("cmpl")
@@ -457,6 +476,7 @@ class _Api:
                         return_logprob=req.logprobs is not None,
                         top_logprobs_num=req.logprobs or 0,
                         skip_special_tokens=req.skip_special_tokens,
+                        cache_namespace=namespace,
                     )
                 )
         renderer = P.CompletionRenderer(
@@ -474,13 +494,13 @@ class _Api:
     async def generate(self, request: Request) -> Response:
         logger.debug("HTTP /generate in")
         req: P.NativeGenerateRequest = await self.decode(request, P.NativeGenerateRequest)
-        inputs, renderer = self.native_inputs(req)
+        inputs, renderer = self.native_inputs(req, request)
         return await self.respond(request, inputs, renderer, req.stream)
 
     def native_inputs(
-        self, req: P.NativeGenerateRequest
+        self, req: P.NativeGenerateRequest, request: Request | None = None
     ) -> tuple[list[P.GenerateInput], P.NativeRenderer]:
-        """Validate a /generate request (also used by the offline Engine)."""
+        """Validate a /generate request (also used by the offline Engine, without `request`)."""
         limits = self.limits
         if (req.text is None) == (req.input_ids is None):
             raise ApiError("give exactly one of 'text' and 'input_ids'", param="text")
@@ -505,6 +525,7 @@ class _Api:
             )
         stop = P.normalize_stop(sp.stop, "sampling_params.stop")
         base = P.sampling_params(sp, limits, 1, prefix="sampling_params.")
+        namespace = self.namespace(request, req)
         rids = self.native_rids(req.rid, len(prompts), batch)
         inputs = []
         for i, prompt in enumerate(prompts):
@@ -535,6 +556,7 @@ class _Api:
                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                     logprob_start_len=start,
                     skip_special_tokens=sp.skip_special_tokens,
+                    cache_namespace=namespace,
                 )
             )
         return inputs, P.NativeRenderer(inputs, batch)
@@ -640,8 +662,9 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
             raise ApiError("cannot flush the cache while requests are running", code="cache_busy")
         return json_response({"success": True, "message": "cache flushed"})
 
-    if args.api_key:
-        app.add_middleware(_AuthMiddleware, api_key=args.api_key)
+    tenants = load_tenants(args)
+    if tenants:
+        app.add_middleware(_AuthMiddleware, tenants=tenants)
     return app
 
 

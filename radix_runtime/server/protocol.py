@@ -33,6 +33,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_BATCH = 1024  # generations one request may start (prompts x n)
 MAX_SEED = 2**63 - 1
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
+MAX_CACHE_SALT_CHARS = 1024
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature is greedy (as vLLM and SGLang do)
 
 # ---------------------------------------------------------------------------------------------
@@ -52,6 +53,8 @@ class GenerateInput(msgspec.Struct, kw_only=True):
     # >= 0: also the logprob of every prompt token at positions >= this index; -1: none
     logprob_start_len: int = -1
     skip_special_tokens: bool = True
+    # the radix tree namespace it shares cached KV in ("": public); see server/tenancy.py
+    cache_namespace: str = ""
 
 
 class GenerateChunk(msgspec.Struct, kw_only=True):
@@ -136,6 +139,10 @@ class _OpenAIRequest(SamplingFields, kw_only=True):
     max_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # requests share cached KV only with requests of the same salt (vLLM's name; SGLang's
+    # extra_key is an alias): see cache_salt()
+    cache_salt: str | None = None
+    extra_key: str | None = None
 
 
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
@@ -167,6 +174,8 @@ class NativeGenerateRequest(_Request, kw_only=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     rid: str | list[str] | None = None
+    cache_salt: str | None = None
+    extra_key: str | None = None
 
 
 def decode_request(body: bytes, type_: type) -> Any:
@@ -299,9 +308,29 @@ def check_model(model: str | None, limits: ModelLimits) -> None:
     if model and model != limits.model_name:
         raise ApiError(
             f"the model '{model}' does not exist; this server serves '{limits.model_name}'",
+            status=404,
             param="model",
             code="model_not_found",
         )
+
+
+def cache_salt(req: _OpenAIRequest | NativeGenerateRequest) -> str | None:
+    """The request's cache salt (``cache_salt`` or its alias ``extra_key``), validated: requests
+    share cached KV only with requests of the same salt (server/tenancy.py)."""
+    salt, param = req.cache_salt, "cache_salt"
+    if req.extra_key is not None:
+        if salt is not None and salt != req.extra_key:
+            raise ApiError(
+                "cache_salt and extra_key name the same salt; give one of them", param="extra_key"
+            )
+        salt, param = req.extra_key, "extra_key"
+    if salt is None:
+        return None
+    if not salt:
+        raise ApiError(f"{param} must be a non-empty string", param=param)
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(f"{param} is longer than {MAX_CACHE_SALT_CHARS} characters", param=param)
+    return salt
 
 
 def check_n(n: int, num_prompts: int = 1) -> None:
