@@ -88,6 +88,7 @@ setup(
             "hypothesis",
             "ruff",
             "openai>=1.0",
+            "jsonschema",
             "httpx",
             "transformers",
             "matplotlib",

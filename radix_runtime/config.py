@@ -46,6 +46,8 @@ class ServerArgs:
     cuda_graph_max_bs: int = 256
     # prefill/mixed batches of up to this many tokens replay CUDA graphs too; 0: none
     cuda_graph_max_extend_tokens: int = 1024
+    # tool calling: the reply format parsed into tool_calls (auto: from the chat template)
+    tool_call_parser: str = "auto"  # auto | hermes | llama3
     # process hygiene
     log_level: str = "info"
     watchdog_timeout: float = (
@@ -80,6 +82,8 @@ class ServerArgs:
             raise ValueError(f"unknown --attention-backend {self.attention_backend!r}")
         if self.cuda_graph_max_extend_tokens < 0:
             raise ValueError("--cuda-graph-max-extend-tokens must be >= 0")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3"):
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
 
@@ -106,6 +110,9 @@ _HELP = {
     "token the worker just sampled on the device)",
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
+    "tool_call_parser": "how /v1/chat/completions finds tool calls in a reply: hermes "
+    "(<tool_call>{...}</tool_call>, Qwen2.5/Hermes and templates without tools), llama3 (a JSON "
+    "reply, Llama 3.1); auto picks from the chat template (docs/tool_calling.md)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
 }
 
@@ -116,6 +123,7 @@ _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],
+    "tool_call_parser": ["auto", "hermes", "llama3"],
     "log_level": ["debug", "info", "warning", "error"],
 }
 
