@@ -360,7 +360,7 @@ class _Api:
 
     def chat_prompt_ids(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
         tokenizer = self.tokenizer("messages")
-        template = tokenizer.chat_template or CHATML_TEMPLATE
+        template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
         try:
             with_tools = supports_tools(template)
         except ValueError as exc:
