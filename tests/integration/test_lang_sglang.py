@@ -8,7 +8,10 @@ join modes, copies, typed and constrained generation, module-level helpers.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -18,6 +21,7 @@ from radix_runtime.tokenizer.chat_template import render_chat
 
 pytestmark = pytest.mark.slow
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAS_GRAMMAR = "regex" in SamplingParams.__struct_fields__
 needs_grammar = pytest.mark.skipif(not HAS_GRAMMAR, reason="needs the constrained-decoding runtime")
 
@@ -153,3 +157,28 @@ def test_features_without_a_vision_model_raise_clearly(backend):
 
     with pytest.raises(NotImplementedError, match="no vision model"):
         describe.run(path="cat.png")
+
+
+def _run_example(url: str, name: str, *extra: str) -> str:
+    out = subprocess.run(
+        [sys.executable, f"examples/{name}", "--url", url, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_sglang_style_example_runs(default_server):
+    out = _run_example(default_server.url, "sglang_style.py", "--max-tokens", "4")
+    assert out.count("batch:") == 2 and "tips: Here are two tips:\n1." in out
+
+
+@needs_grammar
+def test_structured_and_tool_calling_examples_run(default_server):
+    out = _run_example(default_server.url, "sglang_structured.py")
+    assert "city:" in out and "book:" in out and "legs:" in out
+    out = _run_example(default_server.url, "tool_calling.py", "--max-tokens", "8")
+    assert "finish_reason: tool_calls" in out and "call: get_weather(" in out
