@@ -315,7 +315,7 @@ def test_monitoring_examples_query_only_exported_metrics(client):
     page = (ROOT / "radix_runtime/server/static/dashboard.html").read_text()
     names = set()
     for text in [*exprs, page]:
-        names.update(re.findall(r"radix_runtime:[a-z_:]+", text))
+        names.update(re.findall(r"radix_runtime:[a-z0-9_:]+", text))
     assert len(names) >= 12
     missing = sorted(n for n in names if n not in exported)
     assert not missing, f"queried but not exported: {missing}"
