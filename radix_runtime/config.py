@@ -52,6 +52,8 @@ class ServerArgs:
         300.0  # seconds a forward step may take before the server is torn down
     )
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    # observability: GET /metrics (Prometheus) and the live page GET /dashboard
+    disable_metrics: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -106,6 +108,8 @@ _HELP = {
     "token the worker just sampled on the device)",
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
+    "disable_metrics": "no GET /metrics and no request timing (metrics are on by default; "
+    "--enable-metrics is accepted for SGLang compatibility)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
 }
 
@@ -137,6 +141,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             elif f.name in ("max_total_tokens", "context_length"):
                 kwargs["type"] = int
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
+    # SGLang spells it --enable-metrics; here metrics are on unless --disable-metrics
+    parser.add_argument(
+        "--enable-metrics",
+        dest="disable_metrics",
+        action="store_false",
+        help="serve GET /metrics (the default)",
+    )
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
