@@ -61,6 +61,8 @@ class ServerArgs:
         300.0  # seconds a forward step may take before the server is torn down
     )
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    # observability: GET /metrics (Prometheus) and the live page GET /dashboard
+    disable_metrics: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -132,6 +134,8 @@ _HELP = {
     "msgpack) on this ZeroMQ PUB endpoint, e.g. tcp://*:5557 (docs/scaling.md)",
     "kv_events_replay_endpoint": "a ZeroMQ ROUTER endpoint answering snapshot requests: every "
     "cached block and the sequence number it is valid at (default: none)",
+    "disable_metrics": "no GET /metrics and no request timing (metrics are on by default; "
+    "--enable-metrics is accepted for SGLang compatibility)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
 }
 
@@ -164,6 +168,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             elif f.name in ("max_total_tokens", "context_length"):
                 kwargs["type"] = int
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
+    # SGLang spells it --enable-metrics; here metrics are on unless --disable-metrics
+    parser.add_argument(
+        "--enable-metrics",
+        dest="disable_metrics",
+        action="store_false",
+        help="serve GET /metrics (the default)",
+    )
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

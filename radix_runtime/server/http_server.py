@@ -39,6 +39,7 @@ from radix_runtime.server.errors import (
     error_response,
     install_error_handlers,
 )
+from radix_runtime.server.observability import install_observability_routes
 
 logger = logging.getLogger(__name__)
 
@@ -197,9 +198,10 @@ class _SSEResponse(StreamingResponse):
 
 
 class _AuthMiddleware:
-    """``Authorization: Bearer <key>`` on every route but /health."""
+    """``Authorization: Bearer <key>`` on every route but /health and /dashboard (a static page
+    holding no data: it asks for the key and sends it with each of its requests)."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/dashboard"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -654,11 +656,7 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
             ]
         )
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        if not await manager.flush_cache():
-            raise ApiError("cannot flush the cache while requests are running", code="cache_busy")
-        return json_response({"success": True, "message": "cache flushed"})
+    install_observability_routes(app, manager, args)
 
     if args.api_key:
         app.add_middleware(_AuthMiddleware, api_key=args.api_key)
