@@ -92,6 +92,7 @@ setup(
             "httpx",
             "transformers",
             "matplotlib",
+            "playwright",  # drives Debian's Chromium for the /dashboard test
         ],
         "bench": ["matplotlib", "httpx"],
     },
