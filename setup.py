@@ -93,8 +93,11 @@ setup(
             "transformers",
             "matplotlib",
             "playwright",  # drives Debian's Chromium for the /dashboard test
+            "sglang-router>=0.3.2,<0.4",  # the --dp tests run the real router
         ],
         "bench": ["matplotlib", "httpx"],
+        # `serve --dp N`: SGLang's router (a Rust binary in a wheel; the tested API is 0.3.x's)
+        "router": ["sglang-router>=0.3.2,<0.4"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},

@@ -620,7 +620,9 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
             )
         return json_response(api.model_card())
 
+    # NOTE: SGLang's router asks for /model_info and /server_info first, then the /get_* names
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info() -> Response:
         return json_response(
             {
@@ -633,8 +635,26 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         )
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> Response:
         return json_response(await api.server_info())
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """Load in SGLang's shape (one entry per data-parallel rank of this server: one), which
+        the router's power_of_two policy reads: num_tokens = KV tokens held by running requests."""
+        info = await manager.server_info()
+        cache = info["cache"]
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": info["running_requests"] + info["waiting_requests"],
+                    "num_waiting_reqs": info["waiting_requests"],
+                    "num_tokens": cache["protected_pages"] * cache["page_size"],
+                }
+            ]
+        )
 
     install_observability_routes(app, manager, args)
 
