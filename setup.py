@@ -79,9 +79,15 @@ setup(
         "setproctitle",
         "safetensors",
         "psutil",
+        # xgrammar's own dependencies but triton (1 GB, only for its CUDA kernels): scripts/setup.sh
+        # installs xgrammar with --no-deps on CPU; the `grammar` extra pulls it with triton
+        "apache-tvm-ffi",
+        "pydantic>=2",
+        "transformers",
     ],
     extras_require={
-        "gpu": ["flashinfer-python==0.5.3", "triton"],
+        "gpu": ["flashinfer-python==0.5.3", "triton", "xgrammar==0.2.9"],
+        "grammar": ["xgrammar==0.2.9"],
         "test": [
             "pytest",
             "pytest-timeout",
@@ -91,6 +97,7 @@ setup(
             "httpx",
             "transformers",
             "matplotlib",
+            "jsonschema",
         ],
         "bench": ["matplotlib", "httpx"],
     },

@@ -46,6 +46,8 @@ class ServerArgs:
     cuda_graph_max_bs: int = 256
     # prefill/mixed batches of up to this many tokens replay CUDA graphs too; 0: none
     cuda_graph_max_extend_tokens: int = 1024
+    # constrained decoding: threads compiling grammars in the worker (off its step loop)
+    grammar_compile_threads: int = 2
     # process hygiene
     log_level: str = "info"
     watchdog_timeout: float = (
@@ -80,6 +82,8 @@ class ServerArgs:
             raise ValueError(f"unknown --attention-backend {self.attention_backend!r}")
         if self.cuda_graph_max_extend_tokens < 0:
             raise ValueError("--cuda-graph-max-extend-tokens must be >= 0")
+        if self.grammar_compile_threads < 1:
+            raise ValueError("--grammar-compile-threads must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
 
@@ -106,6 +110,8 @@ _HELP = {
     "token the worker just sampled on the device)",
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
+    "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
+    "worker, off its step loop",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
 }
 
