@@ -60,7 +60,7 @@ setup(
     description="LLM serving runtime with a radix-tree KV cache (tokenizer / scheduler / worker over ZeroMQ)",
     python_requires=">=3.10",
     packages=find_packages(include=["radix_runtime", "radix_runtime.*"]),
-    package_data={"radix_runtime": ["worker/model_configs/*.json"]},
+    package_data={"radix_runtime": ["worker/model_configs/*.json", "server/static/*.html"]},
     install_requires=[
         # a range the CPU wheel on the dev machines (2.13) and the H200's torch (2.11) satisfy
         "torch>=2.4,<2.14",
@@ -79,6 +79,7 @@ setup(
         "setproctitle",
         "safetensors",
         "psutil",
+        "prometheus-client>=0.17",  # /metrics exposition
     ],
     extras_require={
         "gpu": ["flashinfer-python==0.5.3", "triton"],
@@ -91,8 +92,11 @@ setup(
             "httpx",
             "transformers",
             "matplotlib",
+            "sglang-router>=0.3.2,<0.4",  # the --dp tests run the real router
         ],
         "bench": ["matplotlib", "httpx"],
+        # `serve --dp N`: SGLang's router (a Rust binary in a wheel; the tested API is 0.3.x's)
+        "router": ["sglang-router>=0.3.2,<0.4"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},

@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         except (UnsupportedModel, ModelNotFound) as exc:
             print(f"radix-runtime: {exc}", file=sys.stderr)
             return 2
+        if args.dp > 1:
+            from radix_runtime.dp.supervisor import run_dp
+
+            return run_dp(args)
         from radix_runtime.server.run import run_server
 
         return run_server(args)

@@ -102,7 +102,8 @@ class Engine:
         return self._call(self.manager.server_info())
 
     def flush_cache(self) -> bool:
-        return self._call(self.manager.flush_cache())
+        """Drop every cached prefix that no running request holds."""
+        return self._call(self.manager.flush_cache())["success"]
 
     def shutdown(self) -> None:
         manager = getattr(self, "manager", None)

@@ -1,8 +1,10 @@
 """Typed messages between the processes: msgspec Structs, msgpack-encoded, token arrays as raw int32.
 
 Flows:
-    tokenizer -> scheduler : GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, ShutdownReq
-    scheduler -> tokenizer : BatchOutput, ServerInfo, FlushCacheDone, SchedulerReady, FatalError
+    tokenizer -> scheduler : GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, MetricsReq,
+                             CacheTreeReq, ShutdownReq
+    scheduler -> tokenizer : BatchOutput, ServerInfo, FlushCacheDone, SchedulerMetrics, CacheTree,
+                             SchedulerReady, FatalError
     scheduler -> worker    : ForwardBatch, ShutdownReq
     worker    -> scheduler : WorkerReady, ForwardResult, FatalError
 
@@ -103,6 +105,11 @@ class FlushCacheReq(_Msg):
 class FlushCacheDone(_Msg):
     ok: bool
     message: str = ""
+    # what the flush dropped (every unlocked node) and what running requests still hold
+    dropped_nodes: int = 0
+    dropped_pages: int = 0
+    dropped_tokens: int = 0
+    kept_pages: int = 0
 
 
 class ServerInfoReq(_Msg):
@@ -132,6 +139,61 @@ class ServerInfo(_Msg):
     decode_steps: int = 0
     retractions: int = 0
     integrity_checks: int = 0
+
+
+class MetricsReq(_Msg):
+    pass
+
+
+class HistogramDelta(msgspec.Struct, array_like=True):
+    counts: list[int]  # per bucket (utils.histogram's bounds, +Inf last), since the last report
+    sum: float
+
+
+class SchedulerMetrics(_Msg):
+    """The scheduler's (and, through ForwardResult, the worker's) numbers for /metrics: gauges as
+    they are now, counters and histograms as increments since the previous SchedulerMetrics, so
+    the HTTP process owns the totals and they only ever grow."""
+
+    running_requests: int
+    waiting_requests: int
+    total_pages: int
+    free_pages: int
+    evictable_pages: int
+    protected_pages: int
+    page_size: int
+    tree_nodes: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    retractions: int = 0
+    evicted_pages: int = 0
+    histograms: dict[str, HistogramDelta] = {}
+
+
+class CacheTreeReq(_Msg):
+    max_depth: int = 4
+    max_children: int = 8  # per node, the largest subtrees; the rest are summed into `other`
+    max_nodes: int = 20000  # nodes visited to size subtrees; past it the sizes are lower bounds
+
+
+class CacheTreeNode(msgspec.Struct, array_like=True):
+    parent: int  # index into CacheTree.nodes, -1 for the root
+    tokens: int  # on this edge
+    subtree_tokens: int  # on this edge and below it
+    pages: int
+    locked: bool
+    age: int  # LRU clock ticks since the last match or insert through it (0: the newest)
+    head: bytes  # int32: the edge's first tokens
+    other_children: int = 0  # children left out (max_children)
+    other_tokens: int = 0  # tokens under them
+
+
+class CacheTree(_Msg):
+    nodes: list[CacheTreeNode]
+    total_nodes: int  # in the tree (the root excluded)
+    visited: int
+    truncated: bool  # max_nodes stopped the walk: subtree sizes are lower bounds
 
 
 class ReqOutput(msgspec.Struct, omit_defaults=True):
@@ -251,6 +313,10 @@ Message = Union[
     FlushCacheDone,
     ServerInfoReq,
     ServerInfo,
+    MetricsReq,
+    SchedulerMetrics,
+    CacheTreeReq,
+    CacheTree,
     BatchOutput,
     SchedulerReady,
     FatalError,

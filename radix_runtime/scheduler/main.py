@@ -13,6 +13,7 @@ import zmq
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.stats import SchedulerStats, cache_tree
 from radix_runtime.utils.procs import (
     configure_logging,
     endpoint,
@@ -50,6 +51,7 @@ class SchedulerProcess:
         self.to_worker = zmq_socket(self.ctx, zmq.PUSH, endpoint(ipc_dir, "worker"), bind=False)
         self.scheduler = None
         self.running = True
+        self._last_result_at = 0.0  # when the latest step result came back (for step_time)
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -119,6 +121,18 @@ class SchedulerProcess:
             self.send_tok(sched.server_info())
         elif isinstance(msg, m.FlushCacheReq):
             self.send_tok(sched.flush_cache())
+        elif isinstance(msg, m.MetricsReq):
+            # NOTE: answered even with --disable-metrics (gauges only), so a request never hangs
+            self.send_tok(
+                sched.stats.report(sched)
+                if sched.stats is not None
+                else SchedulerStats().report(sched)
+            )
+        elif isinstance(msg, m.CacheTreeReq):
+            self.send_tok(
+                cache_tree(sched.cache, max(msg.max_depth, 0), max(msg.max_children, 1),
+                           max(msg.max_nodes, 1))
+            )  # fmt: skip
         elif isinstance(msg, m.ShutdownReq):
             self.running = False
         elif msg is not None:
@@ -155,8 +169,17 @@ class SchedulerProcess:
                 raise WorkerLost(message)
             msg = self._recv_worker(timeout_ms=int(min(remaining, 1.0) * 1000) + 1)
             if isinstance(msg, m.ForwardResult) and msg.step == batch.step:
+                received = time.perf_counter()
                 if logger.isEnabledFor(logging.DEBUG):
-                    self._log_step(batch, plan, msg, time.perf_counter() - step.sent_at)
+                    self._log_step(batch, plan, msg, received - step.sent_at)
+                stats = self.scheduler.stats
+                if stats is not None:
+                    # the time this step held the pipeline: from its sending, or from the
+                    # previous step's result when it queued behind that step (overlap)
+                    began = max(step.sent_at, self._last_result_at)
+                    tokens = sum(p.num_tokens for p in plan)
+                    stats.step(len(plan), tokens, received - began, msg.forward_s)
+                self._last_result_at = received
                 self.scheduler.process_result(plan, msg)
                 return
 

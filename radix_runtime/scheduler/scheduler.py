@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,7 @@ from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.policy import order_waiting
 from radix_runtime.scheduler.radix_cache import RadixCache
 from radix_runtime.scheduler.request import PageRow, Req, ReqState
+from radix_runtime.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ class Scheduler:
         self.decode_steps = 0
         self.retractions = 0
         self.integrity_checks = 0
+        # /metrics: increments since the last report (none with --disable-metrics)
+        self.stats = None if args.disable_metrics else SchedulerStats()
 
     # -----------------------------------------------------------------------------------------
     # requests in
@@ -128,6 +132,7 @@ class Scheduler:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            arrived_at=time.perf_counter(),
         )
         self.arrivals += 1
         self.reqs[req.rid] = req
@@ -395,6 +400,11 @@ class Scheduler:
                 req.cached_tokens = match.length
                 self.prompt_tokens_total += len(req.prompt)
                 self.cached_tokens_total += match.length
+                req.admitted_at = time.perf_counter()
+                if self.stats is not None:
+                    self.stats.admitted(
+                        len(req.prompt), match.length, req.admitted_at - req.arrived_at
+                    )
             req.slot = self.free_slots.pop()
             req.sent_pages = 0
             req.state = ReqState.RUNNING
@@ -513,6 +523,10 @@ class Scheduler:
             if p.sample:
                 token = int(res.next_id)
                 req.output_ids.append(token)
+                if self.stats is not None:
+                    self.stats.generation_tokens += 1
+                    if len(req.output_ids) == 1:
+                        self.stats.first_token(time.perf_counter() - req.admitted_at)
                 out.new_ids = pack_ids([token])
                 if req.return_logprob:
                     out.output_logprobs = pack_floats([res.logprob])
@@ -585,7 +599,9 @@ class Scheduler:
     def _take_pages(self, n: int) -> np.ndarray | None:
         """`n` free pages, evicting cached prefixes for the shortfall; None if there are not."""
         if self.allocator.free_pages < n:
-            self.cache.evict(n - self.allocator.free_pages)
+            evicted = self.cache.evict(n - self.allocator.free_pages)
+            if self.stats is not None:
+                self.stats.evicted_pages += evicted
         return self.allocator.alloc(n)
 
     def _cache_unfinished(self, req: Req) -> None:
@@ -640,6 +656,8 @@ class Scheduler:
         req.state = ReqState.WAITING
         req.retractions += 1
         self.retractions += 1
+        if self.stats is not None:
+            self.stats.retractions += 1
         self.waiting.insert(0, req)
 
     def _take_released_slots(self) -> list[int]:
@@ -654,10 +672,22 @@ class Scheduler:
     # control and introspection
 
     def flush_cache(self) -> FlushCacheDone:
-        if self.running or self.waiting:
-            return FlushCacheDone(ok=False, message="requests are running; flush when idle")
-        self.cache.reset()
-        return FlushCacheDone(ok=True)
+        """Drop every unlocked node: the whole tree when idle; under load, what no running
+        request holds (locked nodes stay and are reported as kept). This is LRU eviction of
+        everything evictable, so it is safe between steps for the same reasons eviction is
+        (see schedule_ahead): a running request's pages are locked or its own, and a freed page
+        is handed out only by a batch built afterwards, which the worker runs after every step
+        already sent. Waiting requests hold nothing; they match again when admitted."""
+        cache = self.cache
+        nodes = cache.stats()["nodes"]
+        dropped = cache.evict(cache.evictable_pages) if cache.evictable_pages else 0
+        return FlushCacheDone(
+            ok=True,
+            dropped_nodes=nodes - cache.stats()["nodes"],
+            dropped_pages=dropped,
+            dropped_tokens=dropped * self.page_size,
+            kept_pages=cache.protected_pages,
+        )
 
     def cache_stats(self) -> CacheStats:
         prompt = self.prompt_tokens_total

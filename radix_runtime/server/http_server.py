@@ -39,6 +39,7 @@ from radix_runtime.server.errors import (
     error_response,
     install_error_handlers,
 )
+from radix_runtime.server.observability import install_observability_routes
 
 logger = logging.getLogger(__name__)
 
@@ -197,9 +198,10 @@ class _SSEResponse(StreamingResponse):
 
 
 class _AuthMiddleware:
-    """``Authorization: Bearer <key>`` on every route but /health."""
+    """``Authorization: Bearer <key>`` on every route but /health and /dashboard (a static page
+    holding no data: it asks for the key and sends it with each of its requests)."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/dashboard"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -618,7 +620,9 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
             )
         return json_response(api.model_card())
 
+    # NOTE: SGLang's router asks for /model_info and /server_info first, then the /get_* names
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info() -> Response:
         return json_response(
             {
@@ -631,14 +635,28 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         )
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> Response:
         return json_response(await api.server_info())
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        if not await manager.flush_cache():
-            raise ApiError("cannot flush the cache while requests are running", code="cache_busy")
-        return json_response({"success": True, "message": "cache flushed"})
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """Load in SGLang's shape (one entry per data-parallel rank of this server: one), which
+        the router's power_of_two policy reads: num_tokens = KV tokens held by running requests."""
+        info = await manager.server_info()
+        cache = info["cache"]
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": info["running_requests"] + info["waiting_requests"],
+                    "num_waiting_reqs": info["waiting_requests"],
+                    "num_tokens": cache["protected_pages"] * cache["page_size"],
+                }
+            ]
+        )
+
+    install_observability_routes(app, manager, args)
 
     if args.api_key:
         app.add_middleware(_AuthMiddleware, api_key=args.api_key)

@@ -138,8 +138,15 @@ class FakeManager:
     async def server_info(self) -> dict:
         return {"cache": {"hit_rate": 0.5}, "running_requests": 0, "waiting_requests": 0}
 
-    async def flush_cache(self) -> bool:
-        return self.flush_ok
+    async def flush_cache(self) -> dict:
+        return {
+            "success": self.flush_ok,
+            "message": "" if self.flush_ok else "busy",
+            "dropped_nodes": 2,
+            "dropped_pages": 5,
+            "dropped_tokens": 5,
+            "kept_pages": 1,
+        }
 
 
 @pytest.fixture
@@ -563,10 +570,13 @@ def test_health(client, manager):
 
 
 def test_flush_cache(client, manager):
-    assert client.post("/flush_cache").json()["success"] is True
+    body = client.post("/flush_cache").json()
+    assert body["success"] is True and body["dropped_tokens"] == 5 and body["kept_pages"] == 1
     assert client.get("/flush_cache").status_code == 200
+    assert client.post("/reset_prefix_cache").json()["dropped_nodes"] == 2  # vLLM's name
     manager.flush_ok = False
-    assert_error(client.post("/flush_cache"), 400)
+    assert_error(client.post("/flush_cache"), 409)
+    assert_error(client.post("/reset_prefix_cache"), 409)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -142,6 +142,7 @@ def run_workload(
     aborts=None,
     info=None,
     ignore_eos=False,
+    on_step=None,
 ):
     """Run prompts to completion; `arrivals[i]` is the step at which request i arrives.
 
@@ -149,7 +150,8 @@ def run_workload(
     (rid, num_tokens) pairs, in order (empty when nothing was scheduled; with `overlap`, one
     entry per batch sent). `overlap` runs the overlap schedule's loop; `stop_ids` are stop token
     ids; `aborts` maps a rid to the step at which it is aborted; `info`, a dict, gets the
-    driver's counters."""
+    driver's counters; `on_step(sched, step)` runs before each iteration (where the scheduler
+    process handles control messages)."""
     args = ServerArgs(
         page_size=page_size,
         max_total_tokens=pool_tokens,
@@ -186,6 +188,8 @@ def run_workload(
         for rid in [rid for rid, at in aborts.items() if at <= step and rid in arrived]:
             sched.abort(rid)
             del aborts[rid]
+        if on_step is not None:
+            on_step(sched, step)
         sent = len(driver.trace)
         driver.iteration()
         if trace is not None:
