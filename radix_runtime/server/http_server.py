@@ -406,16 +406,10 @@ class _Api:
             )
         if top_logprobs and not req.logprobs:
             raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise ApiError(
-                f"response_format {req.response_format.type!r} is not supported",
-                param="response_format",
-                code="unsupported_value",
-            )
         P.check_unsupported_chat_fields(req)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
         schema = tools.json_schema() if tools is not None else None
         if schema is not None:
             base = self.constrain_to_tools(base, schema)
@@ -459,13 +453,20 @@ class _Api:
 
     @staticmethod
     def constrain_to_tools(base: Any, schema: str) -> Any:
-        """tool_choice "required" / a named function: the reply is forced by a JSON schema."""
-        if "json_schema" not in getattr(type(base), "__struct_fields__", ()):
+        """tool_choice "required" / a named function: the reply is forced by a JSON schema (the
+        worker compiles it; one that does not compile is a 400 before any output)."""
+        if base.grammar is not None:
             raise ApiError(
-                "tool_choice 'required' or a named function needs constrained decoding, which "
-                "this build lacks",
+                "tool_choice 'required' or a named function constrains the output already; it "
+                "cannot be combined with response_format, regex, json_schema or ebnf",
                 param="tool_choice",
-                code="unsupported_value",
+            )
+        if len(schema) > P.MAX_GRAMMAR_CHARS:
+            raise ApiError(
+                f"the tools' parameter schemas make a {len(schema)}-character JSON schema; the "
+                f"limit is {P.MAX_GRAMMAR_CHARS}",
+                param="tools",
+                code="grammar_too_large",
             )
         return msgspec.structs.replace(base, json_schema=schema)
 
@@ -481,7 +482,7 @@ class _Api:
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_TOP_LOGPROBS:
             raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
         prompts = P.split_prompts(req.prompt, limits.vocab_size, "prompt")
         P.check_n(req.n, len(prompts))
         rid = P.new_id("cmpl")
