@@ -46,7 +46,13 @@ def main():
 
     messages = [{"role": "user", "content": "What is the weather like in Paris?"}]
     reply = client.chat.completions.create(
-        model=model, messages=messages, tools=TOOLS, tool_choice="required", temperature=0
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call: the schema allows a list of exactly one
+        temperature=0,
+        max_tokens=64,
     )
     message = reply.choices[0].message
     print("finish_reason:", reply.choices[0].finish_reason)

@@ -352,6 +352,9 @@ class ToolCallParser:
         self._in_block = False
         self._blank = ""  # blanks held until we know whether a call follows
         self._whole: bool | None = None  # llama3: is the whole reply a call (None: undecided)
+        self._list_pos = 0  # json list: where the next item starts
+        self._opened = False
+        self._list_broken = False
 
     # --- public
 
@@ -359,12 +362,47 @@ class ToolCallParser:
         self._buf += text
         if self.fmt == "hermes":
             return self._hermes(final=False)
+        if self.fmt == "json" and self.forced is None:
+            return self._json_list(final=False)
         return self._whole_reply(final=False)
 
     def finish(self) -> ParseStep:
         if self.fmt == "hermes":
             return self._hermes(final=True)
+        if self.fmt == "json" and self.forced is None:
+            return self._json_list(final=True)
         return self._whole_reply(final=True)
+
+    # --- json list (tool_choice "required"): [{"name", "parameters"}, ...], a call per item
+
+    def _json_list(self, final: bool) -> ParseStep:
+        """Each item is a call as soon as it is complete, so calls stream one by one and a reply
+        cut by max_tokens keeps the calls it completed. A reply with no complete call is
+        content (it cannot happen under the schema unless max_tokens cut the first call)."""
+        step = ParseStep()
+        decoder = json.JSONDecoder()
+        while not self._list_broken:
+            pos = self._list_pos
+            while pos < len(self._buf) and (self._buf[pos].isspace() or self._buf[pos] in "[,]"):
+                if self._buf[pos] == "[":
+                    self._opened = True
+                pos += 1
+            self._list_pos = pos
+            if not self._opened or pos >= len(self._buf):
+                break
+            try:
+                item, end = decoder.raw_decode(self._buf, pos)
+            except ValueError:
+                break  # incomplete: wait for more
+            self._list_pos = end
+            parsed = self._name_and_args(item)
+            if parsed is None:
+                self._list_broken = True  # not a call of a tool: the rest is not parsed
+            else:
+                self._add(step, self._make_call(*parsed))
+        if final and not self.calls:
+            step.content = self._buf
+        return step
 
     # --- hermes: <tool_call>{...}</tool_call> blocks anywhere in the reply
 

@@ -117,7 +117,10 @@ def test_module_level_helpers_and_global_config(backend):
 def test_typed_and_constrained_generation(backend):
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
         "required": ["name", "age"],
     }
 

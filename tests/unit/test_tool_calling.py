@@ -320,3 +320,31 @@ def test_chat_renderer_streams_tool_call_deltas_that_reassemble():
         {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
         for c in whole["message"]["tool_calls"]
     ]
+
+
+REQUIRED_REPLIES = [
+    '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
+    # cut by max_tokens inside the second call: the first is kept
+    '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "param',
+    '[{"name": "get_weather", "parameters": {"ci',  # cut inside the first: content
+]
+
+
+@pytest.mark.parametrize("reply", REQUIRED_REPLIES)
+def test_required_list_streams_call_by_call(reply):
+    plan = plan_tools([WEATHER, TIME], "required", None, "hermes")
+    content, calls = parse_reply(plan, reply)
+    for size in (1, 5, len(reply)):
+        s_content, s_calls = stream_pieces(plan, reply, size)
+        assert s_content == content
+        assert [(c.name, c.arguments) for c in s_calls] == [(c.name, c.arguments) for c in calls]
+    expected = {0: ["get_weather", "get_time"], 1: ["get_weather"], 2: []}[
+        REQUIRED_REPLIES.index(reply)
+    ]
+    assert [c.name for c in calls] == expected
+    assert content == ("" if expected else reply)
+    # the first call is out as soon as its object closes
+    if expected:
+        parser = plan.new_parser()
+        first = reply.index("}}") + 2
+        assert [c.name for c in parser.feed(reply[:first]).calls] == expected[:1]
