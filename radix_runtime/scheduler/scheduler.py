@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radix_runtime.config import ServerArgs
+from radix_runtime.kv_events import KvEventLog
 from radix_runtime.messages import (
     CacheStats,
     FlushCacheDone,
@@ -40,7 +41,6 @@ from radix_runtime.messages import (
     unpack_ids,
 )
 from radix_runtime.scheduler.allocator import PageAllocator
-from radix_runtime.kv_events import KvEventLog
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.policy import order_waiting
 from radix_runtime.scheduler.radix_cache import RadixCache
