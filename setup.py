@@ -80,9 +80,15 @@ setup(
         "safetensors",
         "psutil",
         "prometheus-client>=0.17",  # /metrics exposition
+        # xgrammar's own dependencies but triton (1 GB, only for its CUDA kernels): scripts/setup.sh
+        # installs xgrammar with --no-deps on CPU; the `grammar` extra pulls it with triton
+        "apache-tvm-ffi",
+        "pydantic>=2",
+        "transformers",
     ],
     extras_require={
-        "gpu": ["flashinfer-python==0.5.3", "triton"],
+        "gpu": ["flashinfer-python==0.5.3", "triton", "xgrammar==0.2.9"],
+        "grammar": ["xgrammar==0.2.9"],
         "test": [
             "pytest",
             "pytest-timeout",
@@ -92,6 +98,7 @@ setup(
             "httpx",
             "transformers",
             "matplotlib",
+            "jsonschema",
             "sglang-router>=0.3.2,<0.4",  # the --dp tests run the real router
         ],
         "bench": ["matplotlib", "httpx"],

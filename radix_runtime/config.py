@@ -55,6 +55,8 @@ class ServerArgs:
     # KV-cache events: a ZeroMQ PUB endpoint (e.g. tcp://*:5557) and its snapshot (replay) socket
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    # constrained decoding: threads compiling grammars in the worker (off its step loop)
+    grammar_compile_threads: int = 2
     # process hygiene
     log_level: str = "info"
     watchdog_timeout: float = (
@@ -97,6 +99,8 @@ class ServerArgs:
             raise ValueError(f"unknown --router-policy {self.router_policy!r}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.grammar_compile_threads < 1:
+            raise ValueError("--grammar-compile-threads must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
 
@@ -136,6 +140,8 @@ _HELP = {
     "cached block and the sequence number it is valid at (default: none)",
     "disable_metrics": "no GET /metrics and no request timing (metrics are on by default; "
     "--enable-metrics is accepted for SGLang compatibility)",
+    "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
+    "worker, off its step loop",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
 }
 

@@ -54,8 +54,6 @@ class SchedulerProcess:
         self.running = True
         # KV-cache events (kv_events.py): a PUB socket, and a ROUTER answering snapshot requests
         self.kv_pub = self.kv_replay = None
-        self.poller = zmq.Poller()
-        self.poller.register(self.from_tok, zmq.POLLIN)
         if args.kv_events_endpoint:
             self.kv_pub = self.ctx.socket(zmq.PUB)
             self.kv_pub.setsockopt(zmq.LINGER, 0)
@@ -65,7 +63,6 @@ class SchedulerProcess:
             self.kv_replay = zmq_socket(
                 self.ctx, zmq.ROUTER, args.kv_events_replay_endpoint, bind=True
             )
-            self.poller.register(self.kv_replay, zmq.POLLIN)
         self._last_result_at = 0.0  # when the latest step result came back (for step_time)
 
     # -- startup ---------------------------------------------------------------------------
@@ -123,7 +120,15 @@ class SchedulerProcess:
         if isinstance(msg, m.FatalError):
             self.send_tok(msg)
             raise WorkerLost(f"the worker failed: {msg.message}")
+        if isinstance(msg, m.GrammarCompiled) and self.scheduler is not None:
+            self.scheduler.grammar_compiled(msg)
+            return None
         return msg
+
+    def send_worker_messages(self) -> None:
+        """Grammars to compile, sent before the next step (the worker compiles them aside)."""
+        for msg in self.scheduler.take_worker_messages():
+            self.to_worker.send(m.encode(msg))
 
     def handle(self, msg) -> None:
         sched = self.scheduler
@@ -153,10 +158,24 @@ class SchedulerProcess:
         elif msg is not None:
             logger.warning("ignored an unexpected %s from the tokenizer", type(msg).__name__)
 
-    def drain_tokenizer(self, timeout_ms: int) -> None:
-        ready = dict(self.poller.poll(timeout_ms))
+    def drain_inputs(self, timeout_ms: int, worker: bool) -> None:
+        """Requests from the tokenizer; with `worker` (no step in flight: `finish_step` reads the
+        worker otherwise) also the worker's compiled-grammar reports, which an idle scheduler
+        waits for too."""
+        poller = zmq.Poller()
+        poller.register(self.from_tok, zmq.POLLIN)
+        if worker:
+            poller.register(self.from_worker, zmq.POLLIN)
+        if self.kv_replay is not None:  # KV-events snapshot requests
+            poller.register(self.kv_replay, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
         if self.kv_replay is not None and self.kv_replay in ready:
             self.serve_kv_snapshots()
+        if worker and self.from_worker in ready:
+            while self.from_worker.poll(0):
+                msg = self._recv_worker(timeout_ms=0)
+                if msg is not None:
+                    logger.warning("ignored an unexpected %s from the worker", type(msg).__name__)
         if self.from_tok not in ready:
             return
         while True:
@@ -255,7 +274,8 @@ class SchedulerProcess:
         inflight: InFlight | None = None  # sent, result not processed yet
         while self.running:
             busy = sched.has_work() or inflight is not None
-            self.drain_tokenizer(timeout_ms=0 if busy else 500)
+            self.drain_inputs(timeout_ms=0 if busy else 500, worker=inflight is None)
+            self.send_worker_messages()
             if inflight is None:
                 scheduled = sched.schedule()
                 if scheduled is not None:

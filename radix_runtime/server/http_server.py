@@ -387,14 +387,8 @@ class _Api:
             )
         if top_logprobs and not req.logprobs:
             raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise ApiError(
-                f"response_format {req.response_format.type!r} is not supported",
-                param="response_format",
-                code="unsupported_value",
-            )
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
         messages = P.chat_messages(req)
         ids = self.chat_prompt_ids(messages)
         max_new = P.resolve_max_new_tokens(
@@ -436,7 +430,7 @@ class _Api:
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_TOP_LOGPROBS:
             raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
         prompts = P.split_prompts(req.prompt, limits.vocab_size, "prompt")
         P.check_n(req.n, len(prompts))
         rid = P.new_id("cmpl")
