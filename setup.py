@@ -80,9 +80,15 @@ setup(
         "safetensors",
         "psutil",
         "prometheus-client>=0.17",  # /metrics exposition
+        # xgrammar's own dependencies but triton (1 GB, only for its CUDA kernels): scripts/setup.sh
+        # installs xgrammar with --no-deps on CPU; the `grammar` extra pulls it with triton
+        "apache-tvm-ffi",
+        "pydantic>=2",
+        "transformers",
     ],
     extras_require={
-        "gpu": ["flashinfer-python==0.5.3", "triton"],
+        "gpu": ["flashinfer-python==0.5.3", "triton", "xgrammar==0.2.9"],
+        "grammar": ["xgrammar==0.2.9"],
         "test": [
             "pytest",
             "pytest-timeout",
@@ -92,8 +98,13 @@ setup(
             "httpx",
             "transformers",
             "matplotlib",
+            "playwright",  # drives Debian's Chromium for the /dashboard test
+            "jsonschema",
+            "sglang-router>=0.3.2,<0.4",  # the --dp tests run the real router
         ],
         "bench": ["matplotlib", "httpx"],
+        # `serve --dp N`: SGLang's router (a Rust binary in a wheel; the tested API is 0.3.x's)
+        "router": ["sglang-router>=0.3.2,<0.4"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},

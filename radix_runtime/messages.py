@@ -5,8 +5,8 @@ Flows:
                              CacheTreeReq, ShutdownReq
     scheduler -> tokenizer : BatchOutput, ServerInfo, FlushCacheDone, SchedulerMetrics, CacheTree,
                              SchedulerReady, FatalError
-    scheduler -> worker    : ForwardBatch, ShutdownReq
-    worker    -> scheduler : WorkerReady, ForwardResult, FatalError
+    scheduler -> worker    : ForwardBatch, CompileGrammar, ShutdownReq
+    worker    -> scheduler : WorkerReady, ForwardResult, GrammarCompiled, FatalError
 
 Every message is a tagged Struct inside one union, so a single decoder reads any frame and a
 foreign or malformed frame raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` (the
@@ -50,6 +50,12 @@ class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
 # sampling
 
 
+# `SamplingParams.json_schema` meaning "any JSON value" (SGLang's spelling); `{"type": "object"}`
+# is any JSON object (what OpenAI's response_format json_object asks for)
+ANY_JSON = "$$ANY$$"
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick the next token. ``temperature == 0`` means greedy."""
 
@@ -65,6 +71,26 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logit_bias: dict[int, float] = {}
+    # constrained decoding (at most one of the three; see docs/structured_output.md):
+    # a regex, a JSON schema as JSON text (ANY_JSON: any JSON value), an EBNF grammar
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens were generated
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar constraining the output, None when unconstrained; the
+        kind is "regex", "json_schema", "json" (any JSON value) or "ebnf"."""
+        if self.json_schema is not None:
+            if self.json_schema == ANY_JSON:
+                return ("json", "")
+            return ("json_schema", self.json_schema)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.ebnf is not None:
+            return ("ebnf", self.ebnf)
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -265,7 +291,8 @@ class ForwardReq(msgspec.Struct, omit_defaults=True):
     next_token: int = -1  # the prompt token after this chunk (for prompt logprobs), -1 if none
     # with new_slot, when the request uses penalties: the tokens before start_pos (cached or
     # computed in an earlier slot) and the outputs generated before a retraction, so
-    # repetition/frequency/presence penalties see the whole history
+    # repetition/frequency/presence penalties see the whole history; prior_output_ids also
+    # with a grammar (its matcher replays them) or min_tokens (they count)
     history_ids: bytes = b""  # int32
     prior_output_ids: bytes = b""  # int32
     # overlap schedule: the single input token is the one this slot sampled in the worker's
@@ -283,6 +310,9 @@ class ForwardBatch(_Msg):
 
 class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     next_id: int = -1  # -1 when sample was False
+    # constrained: the grammar ended with next_id (it accepted a stop token), or next_id broke it
+    grammar_done: bool = False
+    grammar_error: str | None = None
     logprob: float = 0.0
     top_ids: bytes = b""
     top_logprobs: bytes = b""
@@ -293,6 +323,23 @@ class ForwardResult(_Msg):
     step: int
     results: list[ForwardReqResult]
     forward_s: float = 0.0
+
+
+class CompileGrammar(_Msg):
+    """Compile a grammar (SamplingParams.grammar's kind and text) ahead of the requests using it."""
+
+    kind: str
+    text: str
+
+
+class GrammarCompiled(_Msg):
+    """A CompileGrammar's outcome: `error` set when the grammar is invalid."""
+
+    kind: str
+    text: str
+    error: str | None = None
+    compile_s: float = 0.0
+    cache_hit: bool = False
 
 
 class WorkerReady(_Msg):
@@ -323,6 +370,8 @@ Message = Union[
     ShutdownReq,
     ForwardBatch,
     ForwardResult,
+    CompileGrammar,
+    GrammarCompiled,
     WorkerReady,
 ]
 

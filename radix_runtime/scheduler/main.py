@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from radix_runtime import kv_events
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.scheduler.stats import SchedulerStats, cache_tree
@@ -77,6 +78,17 @@ class SchedulerProcess:
         self.to_worker = zmq_socket(self.ctx, zmq.PUSH, endpoint(ipc_dir, "worker"), bind=False)
         self.scheduler = None
         self.running = True
+        # KV-cache events (kv_events.py): a PUB socket, and a ROUTER answering snapshot requests
+        self.kv_pub = self.kv_replay = None
+        if args.kv_events_endpoint:
+            self.kv_pub = self.ctx.socket(zmq.PUB)
+            self.kv_pub.setsockopt(zmq.LINGER, 0)
+            self.kv_pub.setsockopt(zmq.SNDHWM, 100_000)  # past it a slow subscriber loses batches
+            self.kv_pub.bind(args.kv_events_endpoint)
+        if args.kv_events_replay_endpoint:
+            self.kv_replay = zmq_socket(
+                self.ctx, zmq.ROUTER, args.kv_events_replay_endpoint, bind=True
+            )
         self._last_result_at = 0.0  # when the latest step result came back (for step_time)
 
     # -- startup ---------------------------------------------------------------------------
@@ -134,7 +146,15 @@ class SchedulerProcess:
         if isinstance(msg, m.FatalError):
             self.send_tok(msg)
             raise WorkerLost(f"the worker failed: {msg.message}")
+        if isinstance(msg, m.GrammarCompiled) and self.scheduler is not None:
+            self.scheduler.grammar_compiled(msg)
+            return None
         return msg
+
+    def send_worker_messages(self) -> None:
+        """Grammars to compile, sent before the next step (the worker compiles them aside)."""
+        for msg in self.scheduler.take_worker_messages():
+            self.to_worker.send(m.encode(msg))
 
     def handle(self, msg) -> None:
         sched = self.scheduler
@@ -164,8 +184,25 @@ class SchedulerProcess:
         elif msg is not None:
             logger.warning("ignored an unexpected %s from the tokenizer", type(msg).__name__)
 
-    def drain_tokenizer(self, timeout_ms: int) -> None:
-        if not self.from_tok.poll(timeout_ms):
+    def drain_inputs(self, timeout_ms: int, worker: bool) -> None:
+        """Requests from the tokenizer; with `worker` (no step in flight: `finish_step` reads the
+        worker otherwise) also the worker's compiled-grammar reports, which an idle scheduler
+        waits for too."""
+        poller = zmq.Poller()
+        poller.register(self.from_tok, zmq.POLLIN)
+        if worker:
+            poller.register(self.from_worker, zmq.POLLIN)
+        if self.kv_replay is not None:  # KV-events snapshot requests
+            poller.register(self.kv_replay, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if self.kv_replay is not None and self.kv_replay in ready:
+            self.serve_kv_snapshots()
+        if worker and self.from_worker in ready:
+            while self.from_worker.poll(0):
+                msg = self._recv_worker(timeout_ms=0)
+                if msg is not None:
+                    logger.warning("ignored an unexpected %s from the worker", type(msg).__name__)
+        if self.from_tok not in ready:
             return
         while True:
             try:
@@ -173,6 +210,33 @@ class SchedulerProcess:
             except zmq.Again:
                 return
             self.handle(self._decode(frame, "tokenizer"))
+
+    def publish_kv_events(self) -> None:
+        events = self.scheduler.kv_events if self.scheduler is not None else None
+        if events is None or self.kv_pub is None:
+            return
+        batch = events.take_batch()
+        if batch is not None:
+            seq = batch.seq.to_bytes(8, "big")
+            self.kv_pub.send_multipart([kv_events.TOPIC, seq, kv_events.encode(batch)])
+
+    def serve_kv_snapshots(self) -> None:
+        """Answer every snapshot request waiting on the replay socket (frames: the envelope,
+        then b"snapshot"; the reply: the envelope, seq as 8 bytes big-endian, the Snapshot)."""
+        while True:
+            try:
+                frames = self.kv_replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self.scheduler is None or self.scheduler.kv_events is None:
+                continue
+            if frames[-1] != kv_events.SNAPSHOT_REQUEST:
+                logger.warning("ignored a KV-events replay request %r", frames[-1][:32])
+                continue
+            self.publish_kv_events()  # the snapshot then covers exactly the batches sent
+            snap = self.scheduler.kv_events.snapshot()
+            seq = snap.seq.to_bytes(8, "big", signed=True)
+            self.kv_replay.send_multipart([*frames[:-1], seq, kv_events.encode(snap)])
 
     def send_batch(self, batch: m.ForwardBatch, plan) -> InFlight:
         self.to_worker.send(m.encode(batch), copy=False)
@@ -236,13 +300,15 @@ class SchedulerProcess:
         inflight: tuple[list, InFlight] | None = None  # sent, result not processed yet
         while self.running:
             busy = sched.has_work() or inflight is not None
-            self.drain_tokenizer(timeout_ms=0 if busy else 500)
+            self.drain_inputs(timeout_ms=0 if busy else 500, worker=inflight is None)
+            self.send_worker_messages()
             inflight, finished = advance(sched, inflight, self.send_batch, self.finish_step)
             if finished:
                 checked_idle = False
             outputs = sched.take_outputs()
             if outputs:
                 self.send_tok(m.BatchOutput(outputs=outputs))
+            self.publish_kv_events()
             if not sched.has_work() and inflight is None and not checked_idle:
                 sched.check_integrity()  # NOTE: a real check; a failure is a bug, so it is fatal
                 checked_idle = True

@@ -113,6 +113,7 @@ class Req:
     retractions: int = 0
     finish_reason: str | None = None
     matched_stop: int | None = None
+    error: str | None = None
 
     @property
     def all_len(self) -> int:

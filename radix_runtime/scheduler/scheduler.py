@@ -19,18 +19,23 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from radix_runtime.config import ServerArgs
+from radix_runtime.grammar import SCHEDULER_KNOWN_GRAMMARS
+from radix_runtime.kv_events import KvEventLog
 from radix_runtime.messages import (
     CacheStats,
+    CompileGrammar,
     FlushCacheDone,
     ForwardBatch,
     ForwardReq,
     ForwardResult,
     GenerateReq,
+    GrammarCompiled,
     ReqOutput,
     ServerInfo,
     WorkerReady,
@@ -85,6 +90,11 @@ class Scheduler:
         self.free_slots = list(range(self.max_running - 1, -1, -1))
         self.released_slots: list[int] = []
         self.outbox: list[ReqOutput] = []  # replies for the tokenizer process, sent after each step
+        # constrained decoding: a request whose grammar the worker has not compiled yet waits
+        # here (not in `waiting`) until the worker reports it compiled (or invalid)
+        self.grammar_waiting: dict[tuple[str, str], list[Req]] = {}
+        self.known_grammars: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.worker_outbox: list[CompileGrammar] = []  # sent to the worker before the next step
         self.step_id = 0
         self.arrivals = 0
         # statistics
@@ -95,6 +105,11 @@ class Scheduler:
         self.integrity_checks = 0
         # /metrics: increments since the last report (none with --disable-metrics)
         self.stats = None if args.disable_metrics else SchedulerStats()
+        # --kv-events-endpoint: what enters and leaves the tree, as events (kv_events.py)
+        self.kv_events: KvEventLog | None = None
+        if args.kv_events_endpoint and not self.cache.disable:
+            self.kv_events = KvEventLog(self.page_size, args.dp_rank)
+            self.cache.set_evict_observer(self.kv_events.evicted)
 
     # -----------------------------------------------------------------------------------------
     # requests in
@@ -136,7 +151,37 @@ class Scheduler:
         )
         self.arrivals += 1
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        key = msg.sampling.grammar
+        if key is None or key in self.known_grammars:
+            if key is not None:
+                self.known_grammars.move_to_end(key)
+            self.waiting.append(req)
+        elif key in self.grammar_waiting:
+            self.grammar_waiting[key].append(req)
+        else:
+            self.grammar_waiting[key] = [req]
+            self.worker_outbox.append(CompileGrammar(kind=key[0], text=key[1]))
+
+    def grammar_compiled(self, msg: GrammarCompiled) -> None:
+        """The worker compiled a grammar: its requests may run, or fail (an invalid grammar)."""
+        key = (msg.kind, msg.text)
+        reqs = self.grammar_waiting.pop(key, [])
+        if msg.error is not None:
+            for req in reqs:
+                if self.reqs.get(req.rid) is req:
+                    out = self._finish(req, "error")
+                    out.error, out.error_code = msg.error, "invalid_grammar"
+                    self.outbox.append(out)
+            return
+        self.known_grammars[key] = None
+        self.known_grammars.move_to_end(key)
+        while len(self.known_grammars) > SCHEDULER_KNOWN_GRAMMARS:
+            self.known_grammars.popitem(last=False)
+        self.waiting.extend(r for r in reqs if self.reqs.get(r.rid) is r)
+
+    def take_worker_messages(self) -> list[CompileGrammar]:
+        out, self.worker_outbox = self.worker_outbox, []
+        return out
 
     def _reject_reason(self, msg: GenerateReq, prompt: np.ndarray) -> tuple[str, str] | None:
         if msg.rid in self.reqs:
@@ -163,7 +208,10 @@ class Scheduler:
         if req is None:
             return
         if req.state is ReqState.WAITING:
-            self.waiting.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:  # its grammar is compiling
+                self.grammar_waiting[req.sampling.grammar].remove(req)
         elif req.state is ReqState.RUNNING:
             self.running.remove(req)
             self._release(req)
@@ -487,10 +535,17 @@ class Scheduler:
         )
         if new_slot and req.sampling.needs_penalties:
             fr.history_ids = pack_ids(req.ids_slice(0, start))
+        if new_slot and req.output_ids and self._counts_outputs(req.sampling):
             fr.prior_output_ids = pack_ids(req.output_ids)
         req.slot_started = True
         req.sent_pages = len(req.pages)
         return fr
+
+    @staticmethod
+    def _counts_outputs(sp) -> bool:
+        """Whether the worker needs a retracted request's earlier outputs: penalties count them,
+        a grammar replays them, min_tokens counts them."""
+        return sp.needs_penalties or sp.grammar is not None or sp.min_tokens > 0
 
     # -----------------------------------------------------------------------------------------
     # results
@@ -532,12 +587,14 @@ class Scheduler:
                     out.output_logprobs = pack_floats([res.logprob])
                     out.top_ids, out.top_logprobs = res.top_ids, res.top_logprobs
                 has_news = True
-                reason = self._finish_reason(req, token)
+                reason = self._finish_reason(req, token, res)
                 if reason is not None:
                     self.running.remove(req)
                     self._release(req)
                     finished = self._finish(req, reason)
                     out.finish_reason, out.matched_stop = finished.finish_reason, req.matched_stop
+                    if reason == "error":
+                        out.error, out.error_code = req.error, "grammar_error"
                 elif start < len(req.prompt) or p.num_tokens > 1:
                     self._cache_unfinished(req)
             elif req.prefill_only and req.kv_len >= req.all_len:
@@ -550,14 +607,20 @@ class Scheduler:
             if has_news:
                 outputs.append(out)
 
-    def _finish_reason(self, req: Req, token: int) -> str | None:
+    def _finish_reason(self, req: Req, token: int, res=None) -> str | None:
         sp = req.sampling
+        if res is not None and res.grammar_error is not None:
+            req.error = res.grammar_error
+            return "error"
         if not sp.ignore_eos and token in self.eos_ids:
             req.matched_stop = token
             return "stop"
         if token in sp.stop_token_ids:
             req.matched_stop = token
             return "stop"
+        if res is not None and res.grammar_done:
+            req.matched_stop = token
+            return "stop"  # the grammar ended (a stop token it accepted while ignore_eos is on)
         if len(req.output_ids) >= sp.max_new_tokens or req.all_len >= self.context_length:
             return "length"
         return None
@@ -615,6 +678,8 @@ class Scheduler:
             return
         ids = req.ids_slice(0, aligned)
         res = self.cache.insert(ids, req.pages[:n_pages])
+        if self.kv_events is not None:
+            self.kv_events.stored(req.rid, ids, res.prefix_len, req.pages[:n_pages])
         dup_hi = res.prefix_len // self.page_size
         match = self.cache.match_prefix(ids)
         assert match.length == aligned, (match.length, aligned)
@@ -633,7 +698,11 @@ class Scheduler:
         if req.node is not None:
             aligned = req.kv_len // self.page_size * self.page_size
             n_pages = aligned // self.page_size
-            res = self.cache.insert(req.ids_slice(0, aligned), req.pages[:n_pages])
+            ids = req.ids_slice(0, aligned)
+            res = self.cache.insert(ids, req.pages[:n_pages])
+            if self.kv_events is not None:
+                pages = req.pages[:n_pages]
+                self.kv_events.stored(req.rid, ids, res.prefix_len, pages, done=True)
             dup_hi = min(res.prefix_len // self.page_size, n_pages)
             if dup_hi > req.tree_pages:
                 self.allocator.free(req.pages[req.tree_pages : dup_hi])
@@ -680,7 +749,10 @@ class Scheduler:
         already sent. Waiting requests hold nothing; they match again when admitted."""
         cache = self.cache
         nodes = cache.stats()["nodes"]
+        events_before = len(self.kv_events.pending) if self.kv_events is not None else 0
         dropped = cache.evict(cache.evictable_pages) if cache.evictable_pages else 0
+        if self.kv_events is not None:
+            self.kv_events.flushed(events_before)
         return FlushCacheDone(
             ok=True,
             dropped_nodes=nodes - cache.stats()["nodes"],

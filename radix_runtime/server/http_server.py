@@ -386,14 +386,8 @@ class _Api:
             )
         if top_logprobs and not req.logprobs:
             raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise ApiError(
-                f"response_format {req.response_format.type!r} is not supported",
-                param="response_format",
-                code="unsupported_value",
-            )
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
         messages = P.chat_messages(req)
         ids = self.chat_prompt_ids(messages)
         max_new = P.resolve_max_new_tokens(
@@ -435,7 +429,7 @@ class _Api:
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_TOP_LOGPROBS:
             raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
         prompts = P.split_prompts(req.prompt, limits.vocab_size, "prompt")
         P.check_n(req.n, len(prompts))
         rid = P.new_id("cmpl")
@@ -619,7 +613,9 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
             )
         return json_response(api.model_card())
 
+    # NOTE: SGLang's router asks for /model_info and /server_info first, then the /get_* names
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info() -> Response:
         return json_response(
             {
@@ -632,8 +628,26 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         )
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> Response:
         return json_response(await api.server_info())
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """Load in SGLang's shape (one entry per data-parallel rank of this server: one), which
+        the router's power_of_two policy reads: num_tokens = KV tokens held by running requests."""
+        info = await manager.server_info()
+        cache = info["cache"]
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": info["running_requests"] + info["waiting_requests"],
+                    "num_waiting_reqs": info["waiting_requests"],
+                    "num_tokens": cache["protected_pages"] * cache["page_size"],
+                }
+            ]
+        )
 
     install_observability_routes(app, manager, args)
 

@@ -15,6 +15,7 @@ Each is validated against the model's limits and turned into one ``GenerateInput
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -23,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from radix_runtime.messages import SamplingParams
+from radix_runtime.messages import ANY_JSON, JSON_OBJECT_SCHEMA, SamplingParams
 from radix_runtime.server.errors import ApiError, from_msgspec_error
 
 # limits on what one request may ask for
@@ -34,6 +35,9 @@ MAX_BATCH = 1024  # generations one request may start (prompts x n)
 MAX_SEED = 2**63 - 1
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature is greedy (as vLLM and SGLang do)
+# a regex / JSON schema / EBNF grammar longer than this is refused (compile time and memory grow
+# with it; 32 KiB holds schemas of a few hundred properties)
+MAX_GRAMMAR_CHARS = 32768
 
 # ---------------------------------------------------------------------------------------------
 # the contract with the TokenizerManager
@@ -109,14 +113,27 @@ class SamplingFields(_Request, kw_only=True):
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
+    min_tokens: int | None = None
+    # constrained decoding (SGLang's names); at most one, and not with response_format
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | bool | None = None
+    ebnf: str | None = None
 
 
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request, kw_only=True):
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ContentPart(_Request, kw_only=True):
@@ -152,6 +169,7 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class NativeSamplingParams(SamplingFields, kw_only=True):
@@ -236,6 +254,7 @@ def sampling_params(
     *,
     prefix: str = "",
     seed_offset: int = 0,
+    response_format: ResponseFormat | None = None,
 ) -> SamplingParams:
     """Validate the shared sampling knobs; ``prefix`` names where they sit (``sampling_params.``)."""
     f = fields
@@ -279,6 +298,13 @@ def sampling_params(
             )
         _check_range(bias, param, -100.0, 100.0)
         logit_bias[tok] = float(bias)
+    min_tokens = 0 if f.min_tokens is None else f.min_tokens
+    if not 0 <= min_tokens <= limits.context_length:
+        raise ApiError(
+            f"min_tokens must be in [0, {limits.context_length}], got {min_tokens}",
+            param=_p(prefix, "min_tokens"),
+        )
+    grammar = grammar_fields(f, prefix, response_format)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=float(temperature),
@@ -292,6 +318,86 @@ def sampling_params(
         stop_token_ids=stop_token_ids,
         ignore_eos=f.ignore_eos,
         logit_bias=logit_bias,
+        min_tokens=min_tokens,
+        **grammar,
+    )
+
+
+def grammar_fields(
+    f: SamplingFields, prefix: str = "", response_format: ResponseFormat | None = None
+) -> dict[str, str]:
+    """The one grammar a request asks for, as SamplingParams fields ({} when none): from
+    ``regex``, ``json_schema`` (an object, a JSON string, or SGLang's ``"$$ANY$$"``), ``ebnf``
+    or OpenAI's ``response_format``. Two at once, a schema that is not JSON, or one longer
+    than MAX_GRAMMAR_CHARS is a 400 here; whether it compiles is known when the worker compiles
+    it (a failure is a 400 too, before any output)."""
+    found: list[tuple[str, str, str]] = []  # (field, text, param)
+    if f.regex is not None:
+        found.append(("regex", f.regex, _p(prefix, "regex")))
+    if f.ebnf is not None:
+        found.append(("ebnf", f.ebnf, _p(prefix, "ebnf")))
+    if f.json_schema is not None:
+        param = _p(prefix, "json_schema")
+        found.append(("json_schema", _schema_text(f.json_schema, param), param))
+    if response_format is not None:
+        text = _response_format_schema(response_format)
+        if text is not None:
+            found.append(("json_schema", text, "response_format"))
+    if len(found) > 1:
+        names = " and ".join(param for _, _, param in found)
+        raise ApiError(
+            f"at most one of regex, json_schema, ebnf and response_format may constrain the "
+            f"output; got {names}",
+            param=found[1][2],
+        )
+    if not found:
+        return {}
+    field, text, param = found[0]
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ApiError(
+            f"{field} has {len(text)} characters; the limit is {MAX_GRAMMAR_CHARS}",
+            param=param,
+            code="grammar_too_large",
+        )
+    if field != "json_schema" and not text:
+        raise ApiError(f"{field} is empty", param=param)
+    return {field: text}
+
+
+def _schema_text(value: str | dict | bool, param: str) -> str:
+    """A JSON schema (an object or its JSON text) as JSON text; ANY_JSON passes through."""
+    if isinstance(value, str):
+        if value == ANY_JSON:
+            return value
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ApiError(f"json_schema is not valid JSON: {exc}", param=param) from None
+    if not isinstance(value, (dict, bool)):
+        raise ApiError("json_schema must be a JSON object (a schema)", param=param)
+    return json.dumps(value)  # keeps the order of the properties: the output follows it
+
+
+def _response_format_schema(rf: ResponseFormat) -> str | None:
+    """OpenAI's response_format as a JSON schema text (None for "text")."""
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise ApiError(
+                "response_format json_schema needs a json_schema object",
+                param="response_format.json_schema",
+            )
+        schema = rf.json_schema.schema
+        if schema is None:  # OpenAI makes the schema optional: any JSON object
+            return JSON_OBJECT_SCHEMA
+        return _schema_text(schema, "response_format.json_schema.schema")
+    raise ApiError(
+        f"response_format type {rf.type!r} is not supported (text, json_object, json_schema)",
+        param="response_format.type",
+        code="unsupported_value",
     )
 
 
