@@ -98,6 +98,7 @@ setup(
             "httpx",
             "transformers",
             "matplotlib",
+            "playwright",  # drives Debian's Chromium for the /dashboard test
             "jsonschema",
             "sglang-router>=0.3.2,<0.4",  # the --dp tests run the real router
         ],

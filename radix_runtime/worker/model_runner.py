@@ -104,7 +104,13 @@ class ModelRunner:
         self.context_length = args.context_length or c.max_position_embeddings
         self.kv_pool = self._allocate_kv_pool()
         self.attn = create_backend(
-            self._backend_name(), c.num_heads, c.num_kv_heads, c.head_dim, self.device
+            self._backend_name(),
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            self.device,
+            scale=c.softmax_scale,
+            layer_windows=c.layer_windows,
         )
         self.attn.bind_pool(self.kv_pool)
         self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
