@@ -595,6 +595,144 @@ def host_info() -> dict:
     }
 
 
+def git_commit() -> tuple[str, bool | None]:
+    """(commit, dirty) of the code this run imports: $RADIX_RUNTIME_COMMIT when set (a checkout
+    copied without .git, e.g. the H200's, names its commit that way), else `git rev-parse HEAD`
+    and whether the work tree has uncommitted changes; ("unknown", None) when neither exists."""
+    stated = os.environ.get("RADIX_RUNTIME_COMMIT")
+    if stated:
+        return stated, None
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+    if head.returncode != 0:
+        return "unknown", None
+    return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+
+
+def cpu_model() -> str | None:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or None
+
+
+def gpu_names() -> list[str]:
+    """The GPUs nvidia-smi lists (without importing torch); [] when there is none."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return (
+        [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        if out.returncode == 0
+        else []
+    )
+
+
+def machine() -> dict:
+    """The machine a result was measured on, and how busy it was when the run began."""
+    import platform
+
+    gpus = gpu_names()
+    return {
+        "gpu": gpus[0] if gpus else None,
+        "gpus": len(gpus),
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_at_start": _RUN_START["loadavg"],
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+
+
+# the environment variables a run's numbers depend on, repeated in front of its command
+COMMAND_ENV = (
+    "OMP_WAIT_POLICY",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "RADIX_RUNTIME_GEMV_CONFIGS",
+)
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that reproduces this run, as a user would type it from the repo root."""
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0])
+    with contextlib.suppress(ValueError):
+        script = script.resolve().relative_to(REPO_ROOT)
+    env = [f"{k}={os.environ[k]}" for k in COMMAND_ENV if k in os.environ]
+    return shlex.join([*env, "python", str(script), *argv[1:]])
+
+
+_RUN_START: dict = {"commit": None, "date": None, "loadavg": None}
+
+
+def mark_run_start() -> None:
+    """Note the commit, the time and the load as the run begins (a provenance block written at
+    the end describes the start, not the moment of writing); bench/common does it on import."""
+    from datetime import UTC, datetime
+
+    _RUN_START.update(
+        commit=git_commit(),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        loadavg=os.getloadavg()[0],
+    )
+
+
+def provenance(
+    ceiling: str | dict, server_flags: Any = None, argv: Sequence[str] | None = None
+) -> dict:
+    """What every results file opens with: the commit, date, machine and exact command that
+    produced it, the flags of the server(s) it measured (None for in-process benchmarks), and
+    the ceiling or reference its ratios divide by."""
+    if _RUN_START["commit"] is None:  # the first call of a run that started without one
+        mark_run_start()
+    commit, dirty = _RUN_START["commit"]
+    return {
+        "reconstructed": False,
+        "commit": commit,
+        "dirty": dirty,
+        "date": _RUN_START["date"],
+        "machine": machine(),
+        "command": command_line(argv),
+        "server_flags": server_flags,
+        "ceiling": ceiling,
+    }
+
+
+def targets_flags(targets: Sequence[Target]) -> dict:
+    """server_flags of a provenance block for a run against `targets`: each one's launch flags,
+    or the URL it was given (its settings are then in the result's config)."""
+    return {
+        t.label: (shlex.join(t.flags) if t.url is None else f"a running server at {t.url}")
+        for t in targets
+    }
+
+
+CACHE_OFF_REFERENCE = (
+    "the same workload against a server with --disable-radix-cache, in the same run"
+)
+
+
 def run_async(coro):
     """Run the client's coroutine on uvloop when it is installed (as the server does), else on
     asyncio's own loop."""
@@ -680,3 +818,6 @@ def progress(total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+mark_run_start()

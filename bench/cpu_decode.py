@@ -13,10 +13,16 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import provenance
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.model_source import default_gguf_path
@@ -132,7 +138,14 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"threads": torch.get_num_threads(), "tokens": args.tokens, "rows": rows},
+                {
+                    "provenance": provenance(
+                        "Hugging Face transformers generate() on the same weights, in the same run"
+                    ),
+                    "threads": torch.get_num_threads(),
+                    "tokens": args.tokens,
+                    "rows": rows,
+                },
                 f,
                 indent=2,
             )

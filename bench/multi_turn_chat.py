@@ -308,7 +308,12 @@ def run(opts: argparse.Namespace) -> dict:
             if replay is None:
                 replay = {(t.client, t.round): t.answer for t in turns if t.result.error is None}
     on, off = sections["cache_on"], sections.get("cache_off")
+    targets = common.targets_from_args(opts)
     return {
+        "provenance": common.provenance(
+            common.CACHE_OFF_REFERENCE if len(targets) > 1 else "none (cache on only)",
+            common.targets_flags(targets),
+        ),
         "config": config,
         "cache_on": on,
         "cache_off": off,

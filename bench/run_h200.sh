@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # One call on the H200 (the workplace's `run` tool) from the repo root, the device kit copied to
-# .devicekit/ (../shared/device-kit). Stages, in the order given:
+# .devicekit/ (../shared/device-kit). Each results file records its provenance (bench/common.py);
+# the checkout on the device has no .git, so name the commit being measured:
+#   RADIX_RUNTIME_COMMIT=<hash of the commit copied there> bash bench/run_h200.sh STAGES
+# Output file names are those of docs/results/. Stages, in the order given:
+#   build      build the C++ radix tree in place (the servers of later stages then run it)
+#   tree       bench/radix_tree.py and bench/scheduler_step.py on the host CPU
+#              -> $OUT/radix_tree_cpp_vs_python_h200_host.json, scheduler_step_h200_host.json
 #   tests      pytest tests/gpu
-#   kernels    bench/gpu_kernels.py           -> $OUT/gpu_kernels.json
-#   gemv       bench/gemv_sweep.py            -> $OUT/gemv_sweep.json
+#   kernels    bench/gpu_kernels.py           -> $OUT/h200_gpu_kernels.json
+#   gemv       bench/gemv_sweep.py            -> $OUT/h200_gemv_sweep.json
 #   worker     bench/gpu_worker.py            -> $OUT/h200_gpu_worker.json
+#   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
+#              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
@@ -23,6 +31,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
+[ -n "${RADIX_RUNTIME_COMMIT:-}" ] || git rev-parse HEAD > /dev/null 2>&1 \
+    || echo "warning: no .git and no RADIX_RUNTIME_COMMIT: results will record commit 'unknown'"
 source .devicekit/setup.sh || exit 1
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
@@ -41,21 +51,26 @@ for stage in "$@"; do
         tree)
             lscpu | grep -E "Model name|L2|L3" || true
             timeout 300 python3 bench/radix_tree.py --no-progress \
-                --json "$OUT/h200_host_radix_tree.json" | grep -E "impl=|all |speedup|replays" \
-                || status=1
-            timeout 300 python3 bench/scheduler_step.py --json "$OUT/h200_host_scheduler_step.json" \
+                --json "$OUT/radix_tree_cpp_vs_python_h200_host.json" \
+                | grep -E "impl=|all |speedup|replays" || status=1
+            timeout 300 python3 bench/scheduler_step.py --json "$OUT/scheduler_step_h200_host.json" \
                 || status=1 ;;
         tests)
             python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 150 \
                 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt" || status=1 ;;
         kernels)
-            timeout 240 python3 bench/gpu_kernels.py --out "$OUT/gpu_kernels.json" || status=1 ;;
+            timeout 240 python3 bench/gpu_kernels.py --out "$OUT/h200_gpu_kernels.json" || status=1 ;;
         gemv)
-            timeout 400 python3 bench/gemv_sweep.py --out "$OUT/gemv_sweep.json" || status=1
+            timeout 400 python3 bench/gemv_sweep.py --out "$OUT/h200_gemv_sweep.json" || status=1
             # later stages of this call use the configurations it found
-            [ -f "$OUT/gemv_sweep.json" ] && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/gemv_sweep.json" ;;
+            [ -f "$OUT/h200_gemv_sweep.json" ] \
+                && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/h200_gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        ttft)
+            timeout 300 python3 bench/cached_ttft.py --model llama-3.1-8b \
+                --server-args "--load-format dummy" --prompt-tokens 8192 --new-tokens 256 \
+                --repeats 5 --out "$OUT/h200_cached_ttft.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;

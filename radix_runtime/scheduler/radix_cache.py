@@ -121,6 +121,7 @@ class RadixCache:
         self.page_size = page_size
         self.allocator = allocator
         self.disable = disable
+        self.on_evict = None  # see set_evict_observer
         self._key_step = 4 * page_size  # bytes of one page of int32 tokens
         self._ids = itertools.count()
         self._clock = 0
@@ -380,8 +381,15 @@ class RadixCache:
             released.append(node.pages)
             self._push_if_evictable_leaf(parent)
         if released:
-            self.allocator.free(_join(released))
+            pages = _join(released)
+            self.allocator.free(pages)
+            if self.on_evict is not None:
+                self.on_evict(pages)
         return freed
+
+    def set_evict_observer(self, on_evict) -> None:
+        """`on_evict(page_ids)` after every eviction (KV-cache events, kv_events.py)."""
+        self.on_evict = on_evict
 
     def reset(self) -> None:
         """Drop the whole cache, freeing its pages. Only legal while nothing is locked."""

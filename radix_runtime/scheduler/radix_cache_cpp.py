@@ -135,12 +135,22 @@ class CppRadixCache:
     # ---- eviction ----
 
     def evict(self, num_pages: int) -> int:
-        if self._cpp_allocator:
+        if self._cpp_allocator and self.on_evict is None:
             return self._tree.evict_into(num_pages)
         freed, pages = self._tree.evict(num_pages)
         if freed:
             self.allocator.free(pages)
+            if self.on_evict is not None:
+                self.on_evict(pages)
         return freed
+
+    on_evict = None
+
+    def set_evict_observer(self, on_evict) -> None:
+        """`on_evict(page_ids)` after every eviction (KV-cache events): evicted pages then come
+        back through Python, also with the C++ allocator."""
+        self.on_evict = on_evict
+        self.__dict__.pop("evict", None)
 
     def reset(self) -> None:
         if self._cpp_allocator:

@@ -108,10 +108,13 @@ class Req:
     pending_token: bool = False
 
     # accounting
+    arrived_at: float = 0.0  # time.perf_counter() at the scheduler
+    admitted_at: float = 0.0  # first admitted to a step
     cached_tokens: int = -1  # prefix length matched the first time the request was scheduled
     retractions: int = 0
     finish_reason: str | None = None
     matched_stop: int | None = None
+    error: str | None = None
 
     @property
     def all_len(self) -> int:

@@ -18,18 +18,24 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from radix_runtime.config import ServerArgs
+from radix_runtime.grammar import SCHEDULER_KNOWN_GRAMMARS
+from radix_runtime.kv_events import KvEventLog
 from radix_runtime.messages import (
     CacheStats,
+    CompileGrammar,
     FlushCacheDone,
     ForwardBatch,
     ForwardReq,
     ForwardResult,
     GenerateReq,
+    GrammarCompiled,
     ReqOutput,
     ServerInfo,
     WorkerReady,
@@ -43,6 +49,7 @@ from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.policy import order_waiting
 from radix_runtime.scheduler.radix_cache import RadixCache
 from radix_runtime.scheduler.request import PageRow, Req, ReqState
+from radix_runtime.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +90,11 @@ class Scheduler:
         self.free_slots = list(range(self.max_running - 1, -1, -1))
         self.released_slots: list[int] = []
         self.outbox: list[ReqOutput] = []  # replies for the tokenizer process, sent after each step
+        # constrained decoding: a request whose grammar the worker has not compiled yet waits
+        # here (not in `waiting`) until the worker reports it compiled (or invalid)
+        self.grammar_waiting: dict[tuple[str, str], list[Req]] = {}
+        self.known_grammars: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.worker_outbox: list[CompileGrammar] = []  # sent to the worker before the next step
         self.step_id = 0
         self.arrivals = 0
         # statistics
@@ -91,6 +103,13 @@ class Scheduler:
         self.decode_steps = 0
         self.retractions = 0
         self.integrity_checks = 0
+        # /metrics: increments since the last report (none with --disable-metrics)
+        self.stats = None if args.disable_metrics else SchedulerStats()
+        # --kv-events-endpoint: what enters and leaves the tree, as events (kv_events.py)
+        self.kv_events: KvEventLog | None = None
+        if args.kv_events_endpoint and not self.cache.disable:
+            self.kv_events = KvEventLog(self.page_size, args.dp_rank)
+            self.cache.set_evict_observer(self.kv_events.evicted)
 
     # -----------------------------------------------------------------------------------------
     # requests in
@@ -129,10 +148,41 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
             namespace=msg.cache_namespace or None,
+            arrived_at=time.perf_counter(),
         )
         self.arrivals += 1
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        key = msg.sampling.grammar
+        if key is None or key in self.known_grammars:
+            if key is not None:
+                self.known_grammars.move_to_end(key)
+            self.waiting.append(req)
+        elif key in self.grammar_waiting:
+            self.grammar_waiting[key].append(req)
+        else:
+            self.grammar_waiting[key] = [req]
+            self.worker_outbox.append(CompileGrammar(kind=key[0], text=key[1]))
+
+    def grammar_compiled(self, msg: GrammarCompiled) -> None:
+        """The worker compiled a grammar: its requests may run, or fail (an invalid grammar)."""
+        key = (msg.kind, msg.text)
+        reqs = self.grammar_waiting.pop(key, [])
+        if msg.error is not None:
+            for req in reqs:
+                if self.reqs.get(req.rid) is req:
+                    out = self._finish(req, "error")
+                    out.error, out.error_code = msg.error, "invalid_grammar"
+                    self.outbox.append(out)
+            return
+        self.known_grammars[key] = None
+        self.known_grammars.move_to_end(key)
+        while len(self.known_grammars) > SCHEDULER_KNOWN_GRAMMARS:
+            self.known_grammars.popitem(last=False)
+        self.waiting.extend(r for r in reqs if self.reqs.get(r.rid) is r)
+
+    def take_worker_messages(self) -> list[CompileGrammar]:
+        out, self.worker_outbox = self.worker_outbox, []
+        return out
 
     def _reject_reason(self, msg: GenerateReq, prompt: np.ndarray) -> tuple[str, str] | None:
         if msg.rid in self.reqs:
@@ -159,7 +209,10 @@ class Scheduler:
         if req is None:
             return
         if req.state is ReqState.WAITING:
-            self.waiting.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:  # its grammar is compiling
+                self.grammar_waiting[req.sampling.grammar].remove(req)
         elif req.state is ReqState.RUNNING:
             self.running.remove(req)
             self._release(req)
@@ -396,6 +449,11 @@ class Scheduler:
                 req.cached_tokens = match.length
                 self.prompt_tokens_total += len(req.prompt)
                 self.cached_tokens_total += match.length
+                req.admitted_at = time.perf_counter()
+                if self.stats is not None:
+                    self.stats.admitted(
+                        len(req.prompt), match.length, req.admitted_at - req.arrived_at
+                    )
             req.slot = self.free_slots.pop()
             req.sent_pages = 0
             req.state = ReqState.RUNNING
@@ -481,10 +539,17 @@ class Scheduler:
         )
         if new_slot and req.sampling.needs_penalties:
             fr.history_ids = pack_ids(req.ids_slice(0, start))
+        if new_slot and req.output_ids and self._counts_outputs(req.sampling):
             fr.prior_output_ids = pack_ids(req.output_ids)
         req.slot_started = True
         req.sent_pages = len(req.pages)
         return fr
+
+    @staticmethod
+    def _counts_outputs(sp) -> bool:
+        """Whether the worker needs a retracted request's earlier outputs: penalties count them,
+        a grammar replays them, min_tokens counts them."""
+        return sp.needs_penalties or sp.grammar is not None or sp.min_tokens > 0
 
     # -----------------------------------------------------------------------------------------
     # results
@@ -517,17 +582,23 @@ class Scheduler:
             if p.sample:
                 token = int(res.next_id)
                 req.output_ids.append(token)
+                if self.stats is not None:
+                    self.stats.generation_tokens += 1
+                    if len(req.output_ids) == 1:
+                        self.stats.first_token(time.perf_counter() - req.admitted_at)
                 out.new_ids = pack_ids([token])
                 if req.return_logprob:
                     out.output_logprobs = pack_floats([res.logprob])
                     out.top_ids, out.top_logprobs = res.top_ids, res.top_logprobs
                 has_news = True
-                reason = self._finish_reason(req, token)
+                reason = self._finish_reason(req, token, res)
                 if reason is not None:
                     self.running.remove(req)
                     self._release(req)
                     finished = self._finish(req, reason)
                     out.finish_reason, out.matched_stop = finished.finish_reason, req.matched_stop
+                    if reason == "error":
+                        out.error, out.error_code = req.error, "grammar_error"
                 elif start < len(req.prompt) or p.num_tokens > 1:
                     self._cache_unfinished(req)
             elif req.prefill_only and req.kv_len >= req.all_len:
@@ -540,14 +611,20 @@ class Scheduler:
             if has_news:
                 outputs.append(out)
 
-    def _finish_reason(self, req: Req, token: int) -> str | None:
+    def _finish_reason(self, req: Req, token: int, res=None) -> str | None:
         sp = req.sampling
+        if res is not None and res.grammar_error is not None:
+            req.error = res.grammar_error
+            return "error"
         if not sp.ignore_eos and token in self.eos_ids:
             req.matched_stop = token
             return "stop"
         if token in sp.stop_token_ids:
             req.matched_stop = token
             return "stop"
+        if res is not None and res.grammar_done:
+            req.matched_stop = token
+            return "stop"  # the grammar ended (a stop token it accepted while ignore_eos is on)
         if len(req.output_ids) >= sp.max_new_tokens or req.all_len >= self.context_length:
             return "length"
         return None
@@ -589,7 +666,9 @@ class Scheduler:
     def _take_pages(self, n: int) -> np.ndarray | None:
         """`n` free pages, evicting cached prefixes for the shortfall; None if there are not."""
         if self.allocator.free_pages < n:
-            self.cache.evict(n - self.allocator.free_pages)
+            evicted = self.cache.evict(n - self.allocator.free_pages)
+            if self.stats is not None:
+                self.stats.evicted_pages += evicted
         return self.allocator.alloc(n)
 
     def _cache_unfinished(self, req: Req) -> None:
@@ -603,6 +682,10 @@ class Scheduler:
             return
         ids = req.ids_slice(0, aligned)
         res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
+        if self.kv_events is not None:
+            self.kv_events.stored(
+                req.rid, ids, res.prefix_len, req.pages[:n_pages], namespace=req.namespace
+            )
         dup_hi = res.prefix_len // self.page_size
         match = self.cache.match_prefix(ids, req.namespace)
         assert match.length == aligned, (match.length, aligned)
@@ -621,7 +704,13 @@ class Scheduler:
         if req.node is not None:
             aligned = req.kv_len // self.page_size * self.page_size
             n_pages = aligned // self.page_size
-            res = self.cache.insert(req.ids_slice(0, aligned), req.pages[:n_pages], req.namespace)
+            ids = req.ids_slice(0, aligned)
+            res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
+            if self.kv_events is not None:
+                pages = req.pages[:n_pages]
+                self.kv_events.stored(
+                    req.rid, ids, res.prefix_len, pages, done=True, namespace=req.namespace
+                )
             dup_hi = min(res.prefix_len // self.page_size, n_pages)
             if dup_hi > req.tree_pages:
                 self.allocator.free(req.pages[req.tree_pages : dup_hi])
@@ -644,6 +733,8 @@ class Scheduler:
         req.state = ReqState.WAITING
         req.retractions += 1
         self.retractions += 1
+        if self.stats is not None:
+            self.stats.retractions += 1
         self.waiting.insert(0, req)
 
     def _take_released_slots(self) -> list[int]:
@@ -658,10 +749,25 @@ class Scheduler:
     # control and introspection
 
     def flush_cache(self) -> FlushCacheDone:
-        if self.running or self.waiting:
-            return FlushCacheDone(ok=False, message="requests are running; flush when idle")
-        self.cache.reset()
-        return FlushCacheDone(ok=True)
+        """Drop every unlocked node: the whole tree when idle; under load, what no running
+        request holds (locked nodes stay and are reported as kept). This is LRU eviction of
+        everything evictable, so it is safe between steps for the same reasons eviction is
+        (see schedule_ahead): a running request's pages are locked or its own, and a freed page
+        is handed out only by a batch built afterwards, which the worker runs after every step
+        already sent. Waiting requests hold nothing; they match again when admitted."""
+        cache = self.cache
+        nodes = cache.stats()["nodes"]
+        events_before = len(self.kv_events.pending) if self.kv_events is not None else 0
+        dropped = cache.evict(cache.evictable_pages) if cache.evictable_pages else 0
+        if self.kv_events is not None:
+            self.kv_events.flushed(events_before)
+        return FlushCacheDone(
+            ok=True,
+            dropped_nodes=nodes - cache.stats()["nodes"],
+            dropped_pages=dropped,
+            dropped_tokens=dropped * self.page_size,
+            kept_pages=cache.protected_pages,
+        )
 
     def cache_stats(self) -> CacheStats:
         prompt = self.prompt_tokens_total

@@ -21,7 +21,6 @@ from typing import Any
 
 import anyio
 import msgspec
-import uvicorn
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
@@ -38,7 +37,16 @@ from radix_runtime.server.errors import (
     error_response,
     install_error_handlers,
 )
+from radix_runtime.server.observability import install_observability_routes
 from radix_runtime.server.tenancy import Tenant, cache_namespace, find_tenant, load_tenants
+from radix_runtime.server.tools import (
+    ToolPlan,
+    history_for_template,
+    plan_tools,
+    resolve_parser,
+    with_fallback_prompt,
+)
+from radix_runtime.tokenizer.chat_template import CHATML_TEMPLATE, supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -201,10 +209,11 @@ TENANT_SCOPE_KEY = "radix_runtime.tenant"
 
 
 class _AuthMiddleware:
-    """``Authorization: Bearer <key>`` on every route but /health; the tenant whose key matched
-    is left in the scope (``TENANT_SCOPE_KEY``) for the cache namespace."""
+    """``Authorization: Bearer <key>`` on every route but /health and /dashboard (a static page
+    holding no data: it asks for the key and sends it with each of its requests). The tenant
+    whose key matched is left in the scope (``TENANT_SCOPE_KEY``) for the cache namespace."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/dashboard"})
 
     def __init__(self, app: ASGIApp, tenants: list[Tenant]) -> None:
         self.app = app
@@ -242,6 +251,7 @@ class _Api:
         self.manager = manager
         self.args = args
         self.created = int(time.time())
+        self._tool_parser: str | None = None
 
     @property
     def limits(self) -> P.ModelLimits:
@@ -365,11 +375,21 @@ class _Api:
         tokenizer = self.tokenizer(param)
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
+        tokenizer = self.tokenizer("messages")
+        template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
         try:
-            prompt = self.tokenizer("messages").apply_chat_template(
-                messages, add_generation_prompt=True
-            )
+            with_tools = supports_tools(template)
+        except ValueError as exc:
+            raise ApiError(f"invalid chat template: {exc}", param="messages") from None
+        messages = history_for_template(messages, with_tools)
+        kwargs: dict[str, Any] = {}
+        if tools is not None and with_tools:
+            kwargs["tools"] = [dict(t) for t in tools.tools]
+        elif tools is not None:
+            messages = with_fallback_prompt(messages, tools)
+        try:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         except ValueError as exc:
             raise ApiError(f"invalid messages: {exc}", param="messages") from None
         # the template already holds BOS and friends
@@ -401,17 +421,16 @@ class _Api:
             )
         if top_logprobs and not req.logprobs:
             raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise ApiError(
-                f"response_format {req.response_format.type!r} is not supported",
-                param="response_format",
-                code="unsupported_value",
-            )
+        P.check_unsupported_chat_fields(req)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
+        schema = tools.json_schema() if tools is not None else None
+        if schema is not None:
+            base = self.constrain_to_tools(base, schema)
         namespace = self.namespace(request, req)
         messages = P.chat_messages(req)
-        ids = self.chat_prompt_ids(messages)
+        ids = self.chat_prompt_ids(messages, tools)
         max_new = P.resolve_max_new_tokens(
             len(ids), max_tokens, limits, param=max_param, prompt_param="messages"
         )
@@ -437,8 +456,36 @@ class _Api:
             logprobs=req.logprobs,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             token_text=P.TokenText(self.manager.tokenizer),
+            tools=tools,
         )
         return await self.respond(request, inputs, renderer, req.stream)
+
+    @property
+    def tool_parser(self) -> str:
+        """The reply format of tool_choice "auto" (``--tool-call-parser``, or from the template)."""
+        if self._tool_parser is None:
+            flag = getattr(self.args, "tool_call_parser", "auto")
+            self._tool_parser = resolve_parser(flag, self.manager.chat_template)
+        return self._tool_parser
+
+    @staticmethod
+    def constrain_to_tools(base: Any, schema: str) -> Any:
+        """tool_choice "required" / a named function: the reply is forced by a JSON schema (the
+        worker compiles it; one that does not compile is a 400 before any output)."""
+        if base.grammar is not None:
+            raise ApiError(
+                "tool_choice 'required' or a named function constrains the output already; it "
+                "cannot be combined with response_format, regex, json_schema or ebnf",
+                param="tool_choice",
+            )
+        if len(schema) > P.MAX_GRAMMAR_CHARS:
+            raise ApiError(
+                f"the tools' parameter schemas make a {len(schema)}-character JSON schema; the "
+                f"limit is {P.MAX_GRAMMAR_CHARS}",
+                param="tools",
+                code="grammar_too_large",
+            )
+        return msgspec.structs.replace(base, json_schema=schema)
 
     async def completions(self, request: Request) -> Response:
         req: P.CompletionRequest = await self.decode(request, P.CompletionRequest)
@@ -452,7 +499,7 @@ class _Api:
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_TOP_LOGPROBS:
             raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
         namespace = self.namespace(request, req)
         prompts = P.split_prompts(req.prompt, limits.vocab_size, "prompt")
         P.check_n(req.n, len(prompts))
@@ -640,7 +687,9 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
             )
         return json_response(api.model_card())
 
+    # NOTE: SGLang's router asks for /model_info and /server_info first, then the /get_* names
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info() -> Response:
         return json_response(
             {
@@ -653,71 +702,30 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         )
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> Response:
         return json_response(await api.server_info())
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        if not await manager.flush_cache():
-            raise ApiError("cannot flush the cache while requests are running", code="cache_busy")
-        return json_response({"success": True, "message": "cache flushed"})
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """Load in SGLang's shape (one entry per data-parallel rank of this server: one), which
+        the router's power_of_two policy reads: num_tokens = KV tokens held by running requests."""
+        info = await manager.server_info()
+        cache = info["cache"]
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": info["running_requests"] + info["waiting_requests"],
+                    "num_waiting_reqs": info["waiting_requests"],
+                    "num_tokens": cache["protected_pages"] * cache["page_size"],
+                }
+            ]
+        )
+
+    install_observability_routes(app, manager, args)
 
     tenants = load_tenants(args)
     if tenants:
         app.add_middleware(_AuthMiddleware, tenants=tenants)
     return app
-
-
-class _Server(uvicorn.Server):
-    """uvicorn owns SIGINT/SIGTERM while it runs; on the first one we mark the manager draining
-    (new requests get 503) and uvicorn waits up to ``drain_timeout`` for in-flight ones."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._on_exit is not None:
-            try:
-                self._on_exit()
-            except Exception:
-                logger.exception("on_exit hook failed")
-        super().handle_exit(sig, frame)
-
-
-def make_server(
-    manager: Any,
-    args: ServerArgs,
-    *,
-    lifespan: Callable | None = None,
-    on_exit: Callable[[], None] | None = None,
-) -> uvicorn.Server:
-    """A uvicorn server (not started) for ``build_app(manager, args)``. ``on_exit`` runs on the
-    first SIGINT/SIGTERM; by default it sets ``manager.draining = True``."""
-    if on_exit is None:
-
-        def on_exit() -> None:
-            manager.draining = True
-
-    config = uvicorn.Config(
-        build_app(manager, args, lifespan=lifespan),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        loop="uvloop",
-        access_log=args.log_level == "debug",
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
-        timeout_keep_alive=30,
-    )
-    return _Server(config, on_exit)
-
-
-def serve_http(
-    manager: Any,
-    args: ServerArgs,
-    *,
-    lifespan: Callable | None = None,
-    on_exit: Callable[[], None] | None = None,
-) -> None:
-    """Run the HTTP server until SIGINT/SIGTERM (blocking)."""
-    make_server(manager, args, lifespan=lifespan, on_exit=on_exit).run()

@@ -15,6 +15,7 @@ Each is validated against the model's limits and turned into one ``GenerateInput
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -23,8 +24,9 @@ from typing import Any
 
 import msgspec
 
-from radix_runtime.messages import SamplingParams
+from radix_runtime.messages import ANY_JSON, JSON_OBJECT_SCHEMA, SamplingParams
 from radix_runtime.server.errors import ApiError, from_msgspec_error
+from radix_runtime.server.tools import NamedToolChoice, ToolCallIn, ToolDef, ToolPlan
 
 # limits on what one request may ask for
 MAX_N = 16
@@ -35,6 +37,9 @@ MAX_SEED = 2**63 - 1
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
 MAX_CACHE_SALT_CHARS = 1024
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature is greedy (as vLLM and SGLang do)
+# a regex / JSON schema / EBNF grammar longer than this is refused (compile time and memory grow
+# with it; 32 KiB holds schemas of a few hundred properties)
+MAX_GRAMMAR_CHARS = 32768
 
 # ---------------------------------------------------------------------------------------------
 # the contract with the TokenizerManager
@@ -112,14 +117,27 @@ class SamplingFields(_Request, kw_only=True):
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
+    min_tokens: int | None = None
+    # constrained decoding (SGLang's names); at most one, and not with response_format
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | bool | None = None
+    ebnf: str | None = None
 
 
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request, kw_only=True):
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ContentPart(_Request, kw_only=True):
@@ -131,6 +149,8 @@ class ChatMessage(_Request, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class _OpenAIRequest(SamplingFields, kw_only=True):
@@ -151,6 +171,45 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields that change what the model must do and that are not implemented: a 400
+    # names them (harmless metadata such as user, metadata, store is ignored)
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+
+UNSUPPORTED_CHAT_FIELDS = (
+    ("functions", "use tools"),
+    ("function_call", "use tool_choice"),
+    ("audio", "this server has no audio output"),
+    ("prediction", "predicted outputs are not implemented"),
+    ("web_search_options", "there is no web search"),
+    ("reasoning_effort", "no reasoning model is served"),
+    ("verbosity", "not implemented"),
+)
+
+
+def check_unsupported_chat_fields(req: ChatCompletionRequest) -> None:
+    """A field we would otherwise ignore while the client relies on it is a 400 naming it."""
+    for name, why in UNSUPPORTED_CHAT_FIELDS:
+        if getattr(req, name) is not None:
+            raise ApiError(
+                f"{name} is not supported ({why})", param=name, code="unsupported_parameter"
+            )
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise ApiError(
+            "modalities other than ['text'] are not supported",
+            param="modalities",
+            code="unsupported_parameter",
+        )
 
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
@@ -159,6 +218,7 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class NativeSamplingParams(SamplingFields, kw_only=True):
@@ -245,6 +305,7 @@ def sampling_params(
     *,
     prefix: str = "",
     seed_offset: int = 0,
+    response_format: ResponseFormat | None = None,
 ) -> SamplingParams:
     """Validate the shared sampling knobs; ``prefix`` names where they sit (``sampling_params.``)."""
     f = fields
@@ -288,6 +349,13 @@ def sampling_params(
             )
         _check_range(bias, param, -100.0, 100.0)
         logit_bias[tok] = float(bias)
+    min_tokens = 0 if f.min_tokens is None else f.min_tokens
+    if not 0 <= min_tokens <= limits.context_length:
+        raise ApiError(
+            f"min_tokens must be in [0, {limits.context_length}], got {min_tokens}",
+            param=_p(prefix, "min_tokens"),
+        )
+    grammar = grammar_fields(f, prefix, response_format)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=float(temperature),
@@ -301,6 +369,86 @@ def sampling_params(
         stop_token_ids=stop_token_ids,
         ignore_eos=f.ignore_eos,
         logit_bias=logit_bias,
+        min_tokens=min_tokens,
+        **grammar,
+    )
+
+
+def grammar_fields(
+    f: SamplingFields, prefix: str = "", response_format: ResponseFormat | None = None
+) -> dict[str, str]:
+    """The one grammar a request asks for, as SamplingParams fields ({} when none): from
+    ``regex``, ``json_schema`` (an object, a JSON string, or SGLang's ``"$$ANY$$"``), ``ebnf``
+    or OpenAI's ``response_format``. Two at once, a schema that is not JSON, or one longer
+    than MAX_GRAMMAR_CHARS is a 400 here; whether it compiles is known when the worker compiles
+    it (a failure is a 400 too, before any output)."""
+    found: list[tuple[str, str, str]] = []  # (field, text, param)
+    if f.regex is not None:
+        found.append(("regex", f.regex, _p(prefix, "regex")))
+    if f.ebnf is not None:
+        found.append(("ebnf", f.ebnf, _p(prefix, "ebnf")))
+    if f.json_schema is not None:
+        param = _p(prefix, "json_schema")
+        found.append(("json_schema", _schema_text(f.json_schema, param), param))
+    if response_format is not None:
+        text = _response_format_schema(response_format)
+        if text is not None:
+            found.append(("json_schema", text, "response_format"))
+    if len(found) > 1:
+        names = " and ".join(param for _, _, param in found)
+        raise ApiError(
+            f"at most one of regex, json_schema, ebnf and response_format may constrain the "
+            f"output; got {names}",
+            param=found[1][2],
+        )
+    if not found:
+        return {}
+    field, text, param = found[0]
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ApiError(
+            f"{field} has {len(text)} characters; the limit is {MAX_GRAMMAR_CHARS}",
+            param=param,
+            code="grammar_too_large",
+        )
+    if field != "json_schema" and not text:
+        raise ApiError(f"{field} is empty", param=param)
+    return {field: text}
+
+
+def _schema_text(value: str | dict | bool, param: str) -> str:
+    """A JSON schema (an object or its JSON text) as JSON text; ANY_JSON passes through."""
+    if isinstance(value, str):
+        if value == ANY_JSON:
+            return value
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ApiError(f"json_schema is not valid JSON: {exc}", param=param) from None
+    if not isinstance(value, (dict, bool)):
+        raise ApiError("json_schema must be a JSON object (a schema)", param=param)
+    return json.dumps(value)  # keeps the order of the properties: the output follows it
+
+
+def _response_format_schema(rf: ResponseFormat) -> str | None:
+    """OpenAI's response_format as a JSON schema text (None for "text")."""
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise ApiError(
+                "response_format json_schema needs a json_schema object",
+                param="response_format.json_schema",
+            )
+        schema = rf.json_schema.schema
+        if schema is None:  # OpenAI makes the schema optional: any JSON object
+            return JSON_OBJECT_SCHEMA
+        return _schema_text(schema, "response_format.json_schema.schema")
+    raise ApiError(
+        f"response_format type {rf.type!r} is not supported (text, json_object, json_schema)",
+        param="response_format.type",
+        code="unsupported_value",
     )
 
 
@@ -401,6 +549,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         if msg.role not in CHAT_ROLES:
             raise ApiError(f"unknown role {msg.role!r}", param=f"messages[{i}].role")
         content = msg.content
+        if msg.tool_calls is not None and msg.role != "assistant":
+            raise ApiError("only assistant messages carry tool_calls", param=f"messages[{i}]")
+        if msg.role == "tool" and msg.tool_call_id is None:
+            raise ApiError(
+                "a tool message needs the tool_call_id it answers",
+                param=f"messages[{i}].tool_call_id",
+            )
         if content is None:
             if msg.role != "assistant":
                 raise ApiError("content must not be null", param=f"messages[{i}].content")
@@ -419,6 +574,17 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         entry = {"role": role, "content": content}
         if msg.name is not None:
             entry["name"] = msg.name
+        if msg.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+                for call in msg.tool_calls
+            ]
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
         out.append(entry)
     return out
 
@@ -699,6 +865,7 @@ class ChatRenderer:
         logprobs: bool,
         include_usage: bool,
         token_text: TokenText,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.id = id
         self.model = model
@@ -707,30 +874,51 @@ class ChatRenderer:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.token_text = token_text
+        self.tools = tools
         self._started: set[int] = set()
+        self._parsers: dict = {}  # choice index -> its ToolCallParser, when streaming tools
 
     def _logprobs(self, ids, logprobs, tops) -> dict | None:
         if not self.logprobs:
             return None
         return chat_logprobs(ids, logprobs, tops or [], self.token_text)
 
+    def _message(self, state: ChoiceState) -> tuple[dict, str | None]:
+        """The assistant message and finish reason of one choice (tool calls parsed out)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": state.full_text}, state.finish_reason
+        from radix_runtime.server.tools import parse_reply
+
+        content, calls = parse_reply(self.tools, state.full_text)
+        if not calls:
+            return {"role": "assistant", "content": content}, state.finish_reason
+        message = {
+            "role": "assistant",
+            "content": content or None,
+            "tool_calls": [c.message() for c in calls],
+        }
+        return message, _tool_finish(state.finish_reason)
+
     def response(self, states: list[ChoiceState]) -> dict:
+        choices = []
+        for s in states:
+            message, finish_reason = self._message(s)
+            choices.append(
+                {
+                    "index": s.index,
+                    "message": message,
+                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs),
+                    "finish_reason": finish_reason,
+                    "matched_stop": s.matched_stop,
+                }
+            )
         return {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": s.index,
-                    "message": {"role": "assistant", "content": s.full_text},
-                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs),
-                    "finish_reason": s.finish_reason,
-                    "matched_stop": s.matched_stop,
-                }
-                for s in states
-            ],
+            "choices": choices,
             "usage": usage(states, self.n),
         }
 
@@ -765,20 +953,62 @@ class ChatRenderer:
                 )
             )
         has_logprobs = self.logprobs and chunk.ids
-        if chunk.text or chunk.finish_reason is not None or has_logprobs:
-            delta = {"content": chunk.text} if chunk.text or has_logprobs else {}
+        text, finish_reason, calls = chunk.text, chunk.finish_reason, []
+        if self.tools is not None:
+            text, calls, finish_reason = self._tool_step(state, chunk)
+        # the finish reason rides on the last content chunk, or follows the tool calls
+        final_here = finish_reason is not None and not calls
+        if text or has_logprobs or final_here:
             choice = {
                 "index": state.index,
-                "delta": delta,
+                "delta": {"content": text} if text or has_logprobs else {},
                 "logprobs": self._logprobs(
                     chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs
                 ),
-                "finish_reason": chunk.finish_reason,
+                "finish_reason": finish_reason if final_here else None,
             }
-            if chunk.finish_reason is not None:
+            if final_here:
                 choice["matched_stop"] = chunk.matched_stop
             out.append(self._chunk([choice]))
+        for call in calls:
+            for delta in call.deltas():
+                out.append(
+                    self._chunk(
+                        [
+                            {
+                                "index": state.index,
+                                "delta": {"tool_calls": [delta]},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
+        if finish_reason is not None and calls:
+            choice = {
+                "index": state.index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "matched_stop": chunk.matched_stop,
+            }
+            out.append(self._chunk([choice]))
         return out
+
+    def _tool_step(self, state: ChoiceState, chunk: GenerateChunk) -> tuple[str, list, str | None]:
+        parser = self._parsers.get(state.index)
+        if parser is None:
+            parser = self._parsers[state.index] = self.tools.new_parser()
+        step = parser.feed(chunk.text)
+        text, calls = step.content, list(step.calls)
+        finish_reason = chunk.finish_reason
+        if finish_reason is not None:
+            last = parser.finish()
+            text += last.content
+            calls += last.calls
+            if parser.calls:
+                finish_reason = _tool_finish(finish_reason)
+        return text, calls, finish_reason
 
     def stream_end(self, states: list[ChoiceState]) -> list[dict]:
         if not self.include_usage:
@@ -786,6 +1016,11 @@ class ChatRenderer:
         last = self._chunk([])
         last["usage"] = usage(states, self.n)
         return [last]
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    """A reply that ended by itself with tool calls finishes with ``tool_calls``."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 class CompletionRenderer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ import zmq.asyncio
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.server.errors import GenerationError
+from radix_runtime.server.metrics import Metrics, RequestTiming
 from radix_runtime.server.protocol import GenerateChunk, GenerateInput
 from radix_runtime.tokenizer import IncrementalDetokenizer, StopMatcher
 from radix_runtime.utils.procs import endpoint, zmq_socket
@@ -33,6 +35,8 @@ class _ReqState:
     inp: GenerateInput
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    timing: RequestTiming | None = None  # with metrics on
+    reached_scheduler: bool = False  # sent and not rejected: its finish is counted
 
 
 class TokenizerManager:
@@ -52,6 +56,9 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self._info_waiters: deque[asyncio.Future] = deque()
         self._flush_waiters: deque[asyncio.Future] = deque()
+        self._metrics_waiters: deque[asyncio.Future] = deque()
+        self._tree_waiters: deque[asyncio.Future] = deque()
+        self.metrics: Metrics | None = None  # made in start(), once the model name is final
         self._ready: asyncio.Future | None = None
         self._recv_task: asyncio.Task | None = None
         self.on_fatal: Callable[[str], None] | None = None
@@ -73,6 +80,8 @@ class TokenizerManager:
         self.context_length = ready.context_length
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
+        if not self.args.disable_metrics:
+            self.metrics = Metrics(self.model_name)
         self.healthy = True
 
     async def close(self) -> None:
@@ -95,7 +104,12 @@ class TokenizerManager:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(message))
         self.fail_inflight(message)
-        for waiters in (self._info_waiters, self._flush_waiters):
+        for waiters in (
+            self._info_waiters,
+            self._flush_waiters,
+            self._metrics_waiters,
+            self._tree_waiters,
+        ):
             while waiters:
                 fut = waiters.popleft()
                 if not fut.done():
@@ -124,10 +138,21 @@ class TokenizerManager:
                 logger.warning("dropped a malformed frame (%d bytes): %s", len(frame), exc)
                 continue
             if isinstance(msg, m.BatchOutput):
+                now = time.perf_counter()
+                metrics = self.metrics
                 for out in msg.outputs:
                     state = self.states.get(out.rid)
                     if state is not None:
                         state.queue.put_nowait(out)
+                        if metrics is not None and out.new_ids:
+                            metrics.on_tokens(state.timing, len(out.new_ids) // 4, now)
+            elif isinstance(msg, m.SchedulerMetrics):
+                # NOTE: applied whether or not a scrape still waits, so no increment is lost
+                if self.metrics is not None:
+                    self.metrics.apply(msg)
+                self._resolve(self._metrics_waiters, msg)
+            elif isinstance(msg, m.CacheTree):
+                self._resolve(self._tree_waiters, msg)
             elif isinstance(msg, m.ServerInfo):
                 self._resolve(self._info_waiters, msg)
             elif isinstance(msg, m.FlushCacheDone):
@@ -170,6 +195,8 @@ class TokenizerManager:
                 f"request id {rid!r} is already running", "duplicate_request_id", 400
             )
         state = _ReqState(inp)
+        if self.metrics is not None:
+            state.timing = RequestTiming()
         self.states[rid] = state
         logger.debug("request %s: %d prompt tokens to the scheduler", rid, len(inp.input_ids))
         try:
@@ -184,10 +211,13 @@ class TokenizerManager:
                     cache_namespace=inp.cache_namespace,
                 )
             )
+            state.reached_scheduler = True
             async for chunk in self._stream(rid, state):
                 yield chunk
         finally:
             self.states.pop(rid, None)
+            if self.metrics is not None and state.reached_scheduler:
+                self.metrics.on_finish(state.timing, "abort")  # no-op when already counted
             if not state.finished and self.healthy:
                 # the consumer went away (client disconnect, cancellation): free its pages now
                 await self._send(m.AbortReq(rid=rid))
@@ -206,6 +236,7 @@ class TokenizerManager:
             out: m.ReqOutput = await state.queue.get()
             if out.error is not None:
                 state.finished = True
+                state.reached_scheduler = False  # rejected or failed: not a finished request
                 status = 503 if out.error_code == "server_error" else 400
                 raise GenerationError(out.error, out.error_code or "invalid_request", status)
             ids = m.unpack_ids(out.new_ids).tolist() if out.new_ids else []
@@ -231,6 +262,8 @@ class TokenizerManager:
                     text += stops.flush()
             if finish is not None:
                 state.finished = True
+                if self.metrics is not None:
+                    self.metrics.on_finish(state.timing, finish)
             chunk = GenerateChunk(
                 text=text,
                 ids=ids,
@@ -273,13 +306,30 @@ class TokenizerManager:
         # every field, zero counters included (the wire format omits defaults)
         return msgspec.to_builtins(msgspec.structs.asdict(info))
 
-    async def flush_cache(self) -> bool:
+    async def _ask(self, waiters: deque, msg, timeout: float = 30):
+        """Send a control message to the scheduler and await its reply (replies come in order)."""
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        await self._send(m.FlushCacheReq())
-        done: m.FlushCacheDone = await asyncio.wait_for(fut, 30)
-        return done.ok
+        waiters.append(fut)
+        await self._send(msg)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> dict:
+        """Drop every unlocked node of the radix tree; what was dropped and what stayed."""
+        done: m.FlushCacheDone = await self._ask(self._flush_waiters, m.FlushCacheReq())
+        out = msgspec.to_builtins(msgspec.structs.asdict(done))
+        out["success"] = out.pop("ok")
+        return out
+
+    async def refresh_metrics(self) -> None:
+        """Bring the scheduler's latest numbers into `self.metrics` (the receive loop applies
+        them)."""
+        await self._ask(self._metrics_waiters, m.MetricsReq())
+
+    async def cache_tree(self, max_depth: int, max_children: int, max_nodes: int) -> m.CacheTree:
+        return await self._ask(
+            self._tree_waiters, m.CacheTreeReq(max_depth, max_children, max_nodes)
+        )
 
     def _check_alive(self) -> None:
         if not self.healthy:

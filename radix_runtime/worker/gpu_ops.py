@@ -48,10 +48,15 @@ def _rotary_qk_kernel(
     k_out_ptr,
     qkv_stride,
     cs_stride,
+    qn_ptr,
+    kn_ptr,
+    eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_OFFSET: tl.constexpr,
 ):
     # one program per token: every q and k head of that token, each head as two halves
     t = tl.program_id(0).to(tl.int64)
@@ -64,9 +69,17 @@ def _rotary_qk_kernel(
     src = qkv_ptr + t * qkv_stride + h * HEAD_DIM + d  # q heads then k heads, contiguous
     x1 = tl.load(src, mask=in_qk, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=in_qk, other=0.0).to(tl.float32)
+    is_q = h < NUM_HEADS
+    if NORM:  # per-head RMSNorm before the rotation (Qwen3, Gemma 3: w, or 1 + w)
+        rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+        qw1 = tl.load(qn_ptr + d).to(tl.float32)
+        qw2 = tl.load(qn_ptr + HALF + d).to(tl.float32)
+        kw1 = tl.load(kn_ptr + d).to(tl.float32)
+        kw2 = tl.load(kn_ptr + HALF + d).to(tl.float32)
+        x1 = x1 * rms[:, None] * (tl.where(is_q, qw1, kw1) + NORM_OFFSET)
+        x2 = x2 * rms[:, None] * (tl.where(is_q, qw2, kw2) + NORM_OFFSET)
     o1 = (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty)
     o2 = (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty)
-    is_q = h < NUM_HEADS
     q_dst = q_out_ptr + t * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + d
     tl.store(q_dst, o1, mask=is_q)
     tl.store(q_dst + HALF, o2, mask=is_q)
@@ -83,12 +96,20 @@ def rotary_qk(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [N, (H + 2 Hkv) * D]; cos/sin [N, 1, D] (halves equal, as RotaryEmbedding gives them)
-    -> rotated q [N, H, D] and k [N, Hkv, D], both new contiguous tensors."""
+    -> rotated q [N, H, D] and k [N, Hkv, D], both new contiguous tensors. With `q_norm` and
+    `k_norm` ([D] weights) each head is RMS-normalized first, scaled by (norm_offset + w)."""
     n = qkv.shape[0]
+    norm = q_norm is not None
     if head_dim & (head_dim - 1) or qkv.stride(1) != 1:
-        return rotary_qk_torch(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        return rotary_qk_torch(
+            qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, norm_offset
+        )
     q = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((n, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if n == 0:
@@ -102,10 +123,15 @@ def rotary_qk(
         k,
         qkv.stride(0),
         cos2.stride(0),
+        q_norm if norm else cos2,  # unread without NORM
+        k_norm if norm else cos2,
+        eps,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
+        NORM=norm,
+        NORM_OFFSET=norm_offset,
         num_warps=4,
     )
     return q, k
@@ -118,15 +144,25 @@ def rotary_qk_torch(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from radix_runtime.worker.models.llama import apply_rope
+    from radix_runtime.worker.layers.rotary import apply_rope
 
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-    return (
-        apply_rope(q.reshape(-1, num_heads, head_dim), cos, sin),
-        apply_rope(k.reshape(-1, num_kv_heads, head_dim), cos, sin),
-    )
+    q = qkv[:, :q_size].reshape(-1, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].reshape(-1, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = _head_norm(q, q_norm, eps, norm_offset), _head_norm(k, k_norm, eps, norm_offset)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _head_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (w.float() + offset)).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,6 +455,7 @@ def _decode_split_kernel(
     part_o_ptr,
     part_lse_ptr,
     scale,
+    window,
     PAGE: tl.constexpr,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -431,8 +468,10 @@ def _decode_split_kernel(
     p0 = tl.load(kv_indptr_ptr + b)
     p1 = tl.load(kv_indptr_ptr + b + 1)
     seq = (p1 - p0 - 1) * PAGE + tl.load(last_len_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq, SPLITS), BLOCK_T) * BLOCK_T
-    t0 = s * chunk
+    # a sliding window (window > 0) reads only the last `window` keys
+    lo = tl.where(window > 0, tl.maximum(seq - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(seq - lo, SPLITS), BLOCK_T) * BLOCK_T
+    t0 = lo + s * chunk
     t1 = tl.minimum(t0 + chunk, seq)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
@@ -494,10 +533,12 @@ def decode_attention(
     last_page_len: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One new token per request over its paged KV. q [B, H, D]; k_cache/v_cache one layer's
     pool [pages, page_size, Hkv, D]; kv_indptr [B + 1] / kv_indices (page ids) / last_page_len
-    [B] int32 on the device, as FlashInfer takes them. Returns [B, H, D] in q's dtype."""
+    [B] int32 on the device, as FlashInfer takes them; `window` > 0: only each request's last
+    `window` keys. Returns [B, H, D] in q's dtype."""
     bsz, heads, dim = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = heads // hkv
@@ -509,7 +550,7 @@ def decode_attention(
         return out
     _decode_split_kernel[(bsz, hkv, splits)](
         q.contiguous(), k_cache, v_cache, kv_indptr, kv_indices, last_page_len, part_o, part_lse,
-        scale, PAGE=page, HKV=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        scale, window, PAGE=page, HKV=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=dim, SPLITS=splits, BLOCK_T=32, num_warps=4,
     )  # fmt: skip
     _decode_merge_kernel[(bsz * heads,)](part_o, part_lse, out, D=dim, SPLITS=splits, num_warps=4)
@@ -524,6 +565,7 @@ def decode_attention_torch(
     kv_indices: torch.Tensor,
     last_page_len: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """The reference, one request at a time, in float32."""
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -534,6 +576,8 @@ def decode_attention_torch(
         seq = (len(pages) - 1) * page + int(last_page_len[b])
         k = k_cache[pages].reshape(-1, hkv, q.shape[2])[:seq].float()
         v = v_cache[pages].reshape(-1, hkv, q.shape[2])[:seq].float()
+        if window:
+            k, v = k[-window:], v[-window:]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [T, H, D]
         w = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k) * scale, dim=-1)
         out[b] = torch.einsum("ht,thd->hd", w, v).to(q.dtype)
@@ -589,3 +633,46 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= TRITON_SILU_MAX_ROWS and x.is_contiguous():
         return silu_and_mul_triton(x)
     return _fi_silu_and_mul(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma: (1 + w) norms and the gelu(tanh)-gated MLP (FlashInfer's kernels; torch without them)
+
+try:
+    from flashinfer.activation import gelu_tanh_and_mul as _fi_gelu_tanh_and_mul
+    from flashinfer.norm import gemma_fused_add_rmsnorm as _fi_gemma_fused_add_rmsnorm
+    from flashinfer.norm import gemma_rmsnorm as _fi_gemma_rmsnorm
+except ImportError:
+    _fi_gelu_tanh_and_mul = _fi_gemma_fused_add_rmsnorm = _fi_gemma_rmsnorm = None
+
+
+def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _fi_gemma_rmsnorm is None:
+        return gemma_rmsnorm_torch(x, weight, eps)
+    return _fi_gemma_rmsnorm(x, weight, eps)
+
+
+def gemma_rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def gemma_fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x; x = gemma_rmsnorm(residual), both in place; returns x."""
+    if _fi_gemma_fused_add_rmsnorm is None:
+        residual.add_(x)
+        x.copy_(gemma_rmsnorm_torch(residual, weight, eps))
+        return x
+    _fi_gemma_fused_add_rmsnorm(x, residual, weight, eps)
+    return x
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> gelu_tanh(gate) * up, [N, I]."""
+    if _fi_gelu_tanh_and_mul is None:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+    return _fi_gelu_tanh_and_mul(x)

@@ -26,7 +26,8 @@ from radix_runtime.config import ServerArgs
 from radix_runtime.model_source import ModelSource, resolve_model
 from radix_runtime.worker import gguf_format
 from radix_runtime.worker.model_config import ModelConfig, load_hf_config
-from radix_runtime.worker.models.llama import LlamaForCausalLM, build_model, fuse_checkpoint
+from radix_runtime.worker.models.llama import LlamaForCausalLM, fuse_checkpoint
+from radix_runtime.worker.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 

@@ -70,10 +70,14 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
 
     pending = None  # the launched step whose result is not sent yet
     while True:
+        for done in runner.finished_compiles():  # grammars compiled on the side threads
+            outbox.send(m.encode(done))
         if pending is not None and not wait_for_batch(inbox, pending):
             finish(pending)  # it is done and nothing new came: never hold a result back
             pending = None
             continue
+        if runner.compiles_pending() and not inbox.poll(_COMPILE_POLL_MS):
+            continue  # report a compile as soon as it is done
         frame = inbox.recv()
         try:
             msg = m.decode(frame)
@@ -93,6 +97,8 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
             if pending is not None:  # the device already holds `launched` behind it
                 finish(pending)
             pending = launched
+        elif isinstance(msg, m.CompileGrammar):
+            runner.compile_grammar(msg.kind, msg.text)
         elif isinstance(msg, m.ShutdownReq):
             return
         else:
@@ -103,6 +109,8 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
 # (a decode step is a few ms, and cudaEventSynchronize spins too by default); past it, poll with
 # a 1 ms timeout, so a long step does not keep a core busy
 _SPIN_S = 0.5
+# while grammars compile and no step runs, look for finished compiles this often
+_COMPILE_POLL_MS = 2
 
 
 def wait_for_batch(inbox, pending) -> bool:

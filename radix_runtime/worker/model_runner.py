@@ -40,6 +40,7 @@ from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
 
 logger = logging.getLogger(__name__)
 
+NO_GRAMMAR = "constrained decoding is not available (xgrammar is not installed)"
 _PLACEHOLDER = np.zeros(1, np.int32)  # a from_last_sample row's input id on the host
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,18 +98,28 @@ class ModelRunner:
         loaded = load_model(args, self.device, self.dtype)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.model_name = loaded.source.name
+        self._no_grammar: list[m.GrammarCompiled] = []
         c = self.config
         self.page_size = args.page_size
         self.context_length = args.context_length or c.max_position_embeddings
         self.kv_pool = self._allocate_kv_pool()
         self.attn = create_backend(
-            self._backend_name(), c.num_heads, c.num_kv_heads, c.head_dim, self.device
+            self._backend_name(),
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            self.device,
+            scale=c.softmax_scale,
+            layer_windows=c.layer_windows,
         )
         self.attn.bind_pool(self.kv_pool)
         self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
         # req_to_page[slot, i]: the page holding positions [i * page_size, (i + 1) * page_size)
         self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
-        self.sampler = Sampler(c.vocab_size, self.device, args.seed)
+        self.grammars = self._grammar_cache(loaded.source)
+        self.sampler = Sampler(
+            c.vocab_size, self.device, args.seed, list(c.eos_token_ids), self.grammars
+        )
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(
@@ -142,6 +153,49 @@ class ModelRunner:
             self.model_name, self.device, self.dtype, self.kv_pool.num_pages, self.page_size,
             self.attn.name, "on" if self.cuda_graphs else "off",
         )  # fmt: skip
+
+    def _grammar_cache(self, source):
+        """Constrained decoding's compile cache; None without xgrammar or without a tokenizer
+        (a constrained request then fails with a clear error)."""
+        try:
+            from radix_runtime.grammar.compiler import GrammarCache, tokenizer_info
+        except ImportError:
+            logger.warning("xgrammar is not installed: constrained decoding is off")
+            return None
+        eos = list(self.config.eos_token_ids)
+        vocab_size = self.config.vocab_size
+
+        def make_info():
+            from radix_runtime.tokenizer import load_tokenizer
+
+            return tokenizer_info(load_tokenizer(source), vocab_size, eos)
+
+        return GrammarCache(make_info, threads=self.args.grammar_compile_threads)
+
+    def compile_grammar(self, kind: str, text: str) -> None:
+        """Start compiling a grammar (the outcome comes from `finished_compiles`)."""
+        if self.grammars is None:
+            self._no_grammar.append(m.GrammarCompiled(kind=kind, text=text, error=NO_GRAMMAR))
+            return
+        self.grammars.submit(kind, text)
+
+    def finished_compiles(self) -> list[m.GrammarCompiled]:
+        out, self._no_grammar = self._no_grammar, []
+        if self.grammars is not None:
+            out += [
+                m.GrammarCompiled(
+                    kind=d.kind,
+                    text=d.text,
+                    error=d.error,
+                    compile_s=d.compile_s,
+                    cache_hit=d.cache_hit,
+                )  # fmt: skip
+                for d in self.grammars.take_finished()
+            ]
+        return out
+
+    def compiles_pending(self) -> bool:
+        return self.grammars is not None and self.grammars.pending() > 0
 
     def _backend_name(self) -> str:
         """auto: flashinfer on CUDA in bf16/fp16 (it has no float32 kernels), else torch."""
@@ -230,14 +284,14 @@ class ModelRunner:
                 [reqs[i].top_logprobs_num for i in sampled],
             )
             self.last_sampled[to_device(slots, torch.long, self.device)] = out.next_ids
-            for slot in slots:
-                self.sampler.slots[slot].sampled = True
             pending.sample, pending.sampled = out, sampled
             fetch.extend(out.tensors())
         pending.prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs]
         for i in pending.prompt_rows:
             fetch.append(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
         pending.host, pending.event = self._copy_to_host(fetch)
+        if sampled:  # host[0]: the sampled ids (a grammar accepts its token from there)
+            self.sampler.note_sampled(slots, batch.step, pending.host[0], pending.event)
         if keep_logits:
             pending.logits = per_req
         return pending
@@ -255,6 +309,8 @@ class ModelRunner:
             for j, i in enumerate(pending.sampled):
                 res = results[i]
                 res.next_id = out.next_ids[j]
+                done, error = self.sampler.grammar_status(pending.reqs[i].slot, pending.step)
+                res.grammar_done, res.grammar_error = done, error
                 res.logprob = out.logprobs[j]
                 if pending.reqs[i].top_logprobs_num > 0:
                     res.top_ids = m.pack_ids(out.top_ids[j])

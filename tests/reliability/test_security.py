@@ -29,7 +29,7 @@ from radix_runtime import messages as m
 PACKAGE = Path(__file__).resolve().parents[2] / "radix_runtime"
 KEY = "sk-reliability-Zx81-secret"
 
-# every route; /health alone is open
+# every route; /health and the static /dashboard page alone are open
 ROUTES = [
     ("GET", "/v1/models"),
     ("GET", "/v1/models/SmolLM2-135M-Instruct"),
@@ -37,6 +37,9 @@ ROUTES = [
     ("GET", "/get_server_info"),
     ("GET", "/flush_cache"),
     ("POST", "/flush_cache"),
+    ("POST", "/reset_prefix_cache"),
+    ("GET", "/metrics"),
+    ("GET", "/cache_tree"),
     ("POST", "/generate"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),

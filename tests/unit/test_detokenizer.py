@@ -195,6 +195,12 @@ def test_earliest_of_several_stops_wins() -> None:
     assert m.feed("hello world") == ("hel", True) and m.matched == "lo w"
 
 
+def test_the_first_stop_to_complete_wins_however_the_text_is_cut() -> None:
+    # " aa" starts earlier but "a" completes first: streaming " a" must already stop there
+    assert _feed_all(StopMatcher(["a", " aa"]), [" a", "a"]) == (" ", True)
+    assert _feed_all(StopMatcher(["a", " aa"]), [" aa"]) == (" ", True)
+
+
 def test_no_stop_strings_passes_through() -> None:
     m = StopMatcher([])
     assert m.feed("anything") == ("anything", False)

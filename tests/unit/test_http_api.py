@@ -12,13 +12,14 @@ import time
 import httpx
 import msgspec
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.server.errors import GenerationError
-from radix_runtime.server.http_server import build_app, make_server
+from radix_runtime.server.http_server import build_app
 from radix_runtime.server.protocol import GenerateChunk, GenerateInput
 
 MODEL = "fake-model"
@@ -138,8 +139,15 @@ class FakeManager:
     async def server_info(self) -> dict:
         return {"cache": {"hit_rate": 0.5}, "running_requests": 0, "waiting_requests": 0}
 
-    async def flush_cache(self) -> bool:
-        return self.flush_ok
+    async def flush_cache(self) -> dict:
+        return {
+            "success": self.flush_ok,
+            "message": "" if self.flush_ok else "busy",
+            "dropped_nodes": 2,
+            "dropped_pages": 5,
+            "dropped_tokens": 5,
+            "kept_pages": 1,
+        }
 
 
 @pytest.fixture
@@ -563,10 +571,13 @@ def test_health(client, manager):
 
 
 def test_flush_cache(client, manager):
-    assert client.post("/flush_cache").json()["success"] is True
+    body = client.post("/flush_cache").json()
+    assert body["success"] is True and body["dropped_tokens"] == 5 and body["kept_pages"] == 1
     assert client.get("/flush_cache").status_code == 200
+    assert client.post("/reset_prefix_cache").json()["dropped_nodes"] == 2  # vLLM's name
     manager.flush_ok = False
-    assert_error(client.post("/flush_cache"), 400)
+    assert_error(client.post("/flush_cache"), 409)
+    assert_error(client.post("/reset_prefix_cache"), 409)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,7 +668,24 @@ CHAT_BAD = [
     ({"logprobs": 3}, "logprobs", "invalid_type"),
     ({"stream": "yes"}, "stream", "invalid_type"),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_type"),
-    ({"response_format": {"type": "json_object"}}, "response_format", None),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "unsupported_value"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", None),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+        "response_format.json_schema.schema",
+        "invalid_type",
+    ),
+    (
+        {"response_format": {"type": "json_object"}, "regex": "a+"},
+        "response_format",
+        None,
+    ),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", None),
+    ({"json_schema": "{not json"}, "json_schema", None),
+    ({"json_schema": "[1, 2]"}, "json_schema", None),
+    ({"regex": ""}, "regex", None),
+    ({"regex": "a" * 40000}, "regex", "grammar_too_large"),
+    ({"min_tokens": -1}, "min_tokens", None),
 ]
 
 
@@ -786,6 +814,22 @@ GENERATE_BAD = [
     ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid", None),
     ({"text": "a", "rid": ""}, "rid", None),
     ({"text": "a", "rid": 5}, "rid", "invalid_type"),
+]
+
+
+GENERATE_BAD += [
+    (
+        {"text": "a", "sampling_params": {"regex": "a", "json_schema": {}}},
+        "sampling_params.json_schema",
+        None,
+    ),
+    ({"text": "a", "sampling_params": {"json_schema": "{x"}}, "sampling_params.json_schema", None),
+    ({"text": "a", "sampling_params": {"min_tokens": 10**9}}, "sampling_params.min_tokens", None),
+    (
+        {"text": "a", "sampling_params": {"ebnf": "x" * 40000}},
+        "sampling_params.ebnf",
+        "grammar_too_large",
+    ),
 ]
 
 
@@ -1014,7 +1058,10 @@ def _free_port() -> int:
 @pytest.fixture
 def live_server(manager):
     args = ServerArgs(host="127.0.0.1", port=_free_port(), log_level="warning")
-    server = make_server(manager, args)
+    config = uvicorn.Config(
+        build_app(manager, args), host=args.host, port=args.port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -1156,7 +1203,62 @@ def test_fuzz_fields_never_500(client, path, patch):
         assert_error(resp, 400)
 
 
-def test_signal_marks_manager_draining(manager):
-    server = make_server(manager, ServerArgs(port=_free_port()))
-    server.handle_exit(15, None)
-    assert manager.draining and server.should_exit
+# ---------------------------------------------------------------------------------------------
+# constrained decoding fields reach the sampling params (their runtime is tested in
+# tests/integration/test_structured_output.py)
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    "patch,field,text",
+    [
+        ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
+            "json_schema",
+            json.dumps(SCHEMA),
+        ),
+        ({"response_format": {"type": "text"}, "regex": "[ab]+"}, "regex", "[ab]+"),
+        ({"ebnf": 'root ::= "x"'}, "ebnf", 'root ::= "x"'),
+        ({"json_schema": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
+    ],
+)
+def test_chat_grammar_fields(client, manager, patch, field, text):
+    resp = client.post("/v1/chat/completions", json=chat_body(min_tokens=3, **patch))
+    assert resp.status_code == 200, resp.text
+    (inp,) = manager.inputs
+    assert getattr(inp.sampling, field) == text  # property order kept: b before a
+    assert inp.sampling.min_tokens == 3
+    others = {"regex", "json_schema", "ebnf"} - {field}
+    assert all(getattr(inp.sampling, f) is None for f in others)
+
+
+def test_completions_response_format(client, manager):
+    body = {"prompt": "hi", "response_format": {"type": "json_object"}, "n": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert [i.sampling.json_schema for i in manager.inputs] == ['{"type": "object"}'] * 2
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (SCHEMA, json.dumps(SCHEMA)),
+        (json.dumps(SCHEMA), json.dumps(SCHEMA)),
+        ("$$ANY$$", "$$ANY$$"),
+    ],
+)
+def test_generate_json_schema_object_or_string(client, manager, value, expected):
+    body = {"text": "a", "sampling_params": {"json_schema": value, "min_tokens": 2}}
+    assert client.post("/generate", json=body).status_code == 200
+    (inp,) = manager.inputs
+    assert inp.sampling.json_schema == expected
+    assert inp.sampling.min_tokens == 2
+    assert inp.sampling.grammar == (
+        ("json", "") if value == "$$ANY$$" else ("json_schema", expected)
+    )

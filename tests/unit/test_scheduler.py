@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.main import advance
 from radix_runtime.scheduler.scheduler import Scheduler
 
 VOCAB = 97
@@ -93,8 +94,9 @@ class FakeWorker:
 
 
 class Driver:
-    """The scheduler process's loop (scheduler/main.py) against a FakeWorker, one iteration at
-    a time: with the overlap schedule on, step N+1 is sent before N's result is processed."""
+    """The scheduler process's step loop (`scheduler.main.advance`) against a FakeWorker, one
+    turn at a time: with the overlap schedule on, step N+1 is sent before N's result is
+    processed."""
 
     def __init__(self, sched: Scheduler, worker: FakeWorker):
         self.sched, self.worker = sched, worker
@@ -104,23 +106,14 @@ class Driver:
 
     def send(self, batch, plan):
         self.trace.append([(p.req.rid, p.num_tokens) for p in plan])
-        return plan, self.worker.forward(batch)
+        return self.worker.forward(batch)
 
     def busy(self) -> bool:
         return self.sched.has_work() or self.inflight is not None
 
     def iteration(self) -> None:
-        sched = self.sched
-        if self.inflight is None:
-            scheduled = sched.schedule()
-            if scheduled is not None:
-                self.inflight = self.send(*scheduled)
-        if self.inflight is not None:
-            ahead = sched.schedule_ahead(self.inflight[0])
-            following = self.send(*ahead) if ahead is not None else None
-            self.ahead_steps += ahead is not None
-            sched.process_result(*self.inflight)
-            self.inflight = following
+        self.inflight, _ = advance(self.sched, self.inflight, self.send, self.sched.process_result)
+        self.ahead_steps += self.inflight is not None  # what stays in flight was built ahead
 
 
 def run_workload(
@@ -143,6 +136,7 @@ def run_workload(
     info=None,
     ignore_eos=False,
     namespaces=None,
+    on_step=None,
 ):
     """Run prompts to completion; `namespaces[i]` is request i's cache namespace ("": public); `arrivals[i]` is the step at which request i arrives.
 
@@ -150,7 +144,8 @@ def run_workload(
     (rid, num_tokens) pairs, in order (empty when nothing was scheduled; with `overlap`, one
     entry per batch sent). `overlap` runs the overlap schedule's loop; `stop_ids` are stop token
     ids; `aborts` maps a rid to the step at which it is aborted; `info`, a dict, gets the
-    driver's counters."""
+    driver's counters; `on_step(sched, step)` runs before each iteration (where the scheduler
+    process handles control messages)."""
     args = ServerArgs(
         page_size=page_size,
         max_total_tokens=pool_tokens,
@@ -192,6 +187,8 @@ def run_workload(
         for rid in [rid for rid, at in aborts.items() if at <= step and rid in arrived]:
             sched.abort(rid)
             del aborts[rid]
+        if on_step is not None:
+            on_step(sched, step)
         sent = len(driver.trace)
         driver.iteration()
         if trace is not None:

@@ -22,6 +22,13 @@ pool's: per layer K and V of [num_pages, page_size, kv_heads, head_dim]):
   schedule written into the wrapper's own workspace by `plan_extend_graph`).
 
 New K/V are written with the Triton kernel `gpu_ops.store_kv` (one launch for K and V).
+
+Sliding-window layers (Mistral, Gemma 3's local layers): every wrapper above exists once per
+distinct window of the model (0 = full attention), planned with FlashInfer's `window_left`
+(window - 1: the keys a query sees besides itself); each layer runs the wrapper of its window.
+The Triton decode kernel takes the window as an argument and starts its split-KV loop at the
+window's first key. Each window's wrappers have their own pinned host buffers and scratch, so
+the wait before a plan (see `_plan`) is per window.
 """
 
 from __future__ import annotations
@@ -54,21 +61,37 @@ class FlashInferBackend(AttentionBackend):
     extend_graph_backend = "auto"
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        **options,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, device)
+        super().__init__(num_heads, num_kv_heads, head_dim, device, **options)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.tensor_cores = use_tensor_cores(num_heads, num_kv_heads)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
+        # the eager wrappers of each sliding window (window 0 is the pair above)
+        self._window_wrappers = {
+            w: (
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"),
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+                ),
+            )
+            for w in self.windows()
+            if w
+        }
         self.kv_dtype: torch.dtype | None = None  # the pool's, known once bound
         self.page_size = 1
-        self._active = None  # the wrapper planned for the current batch
-        # recorded after each plan's copies out of FlashInfer's pinned host buffers: the next
-        # plan waits for it before it writes them again (see _plan)
-        self._plan_copied: torch.cuda.Event | None = None
+        self._active: dict[int, object] = {}  # per window, the wrapper planned for this batch
+        # per window: recorded after each plan's copies out of FlashInfer's pinned host
+        # buffers; the window's next plan waits for it before it writes them again (see _plan)
+        self._plan_copied: dict[int, torch.cuda.Event] = {}
         # or, for a small decode batch, the Triton kernel's index arrays (device tensors)
         self._small_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._out_cache_loc: torch.Tensor | None = None
@@ -78,8 +101,9 @@ class FlashInferBackend(AttentionBackend):
         self._graph_kv_indices: torch.Tensor | None = None
         self._graph_kv_last_page_len: torch.Tensor | None = None
         # graphs of prefill/mixed batches: one prefill wrapper per (requests, tokens) shape
+        # keyed by (requests, tokens, window)
         self._extend_wrappers: dict[
-            tuple[int, int], flashinfer.BatchPrefillWithPagedKVCacheWrapper
+            tuple[int, int, int], flashinfer.BatchPrefillWithPagedKVCacheWrapper
         ] = {}
         self._extend_bufs: dict[str, torch.Tensor] = {}
 
@@ -100,19 +124,22 @@ class FlashInferBackend(AttentionBackend):
             return
         kv_indptr = torch.from_numpy(meta.kv_indptr_cpu)
         last_page_len = torch.from_numpy(meta.kv_last_page_len_cpu)
-        if meta.is_decode_only:
-            self._plan(self._decode, kv_indptr, meta.kv_page_indices, last_page_len)
-        else:
-            self._plan(
-                self._prefill,
-                torch.from_numpy(meta.qo_indptr_cpu),
-                kv_indptr,
-                meta.kv_page_indices,
-                last_page_len,
-                causal=True,
-            )
+        for w in self.windows():
+            prefill, decode = self._window_wrappers[w] if w else (self._prefill, self._decode)
+            if meta.is_decode_only:
+                self._plan(decode, kv_indptr, meta.kv_page_indices, last_page_len, window=w)
+            else:
+                self._plan(
+                    prefill,
+                    torch.from_numpy(meta.qo_indptr_cpu),
+                    kv_indptr,
+                    meta.kv_page_indices,
+                    last_page_len,
+                    causal=True,
+                    window=w,
+                )
 
-    def _plan(self, wrapper, *indices: torch.Tensor, **extra) -> None:
+    def _plan(self, wrapper, *indices: torch.Tensor, window: int = 0, **extra) -> None:
         """Plan `wrapper` (prefill: qo_indptr, kv_indptr, kv_indices, last_page_len and
         causal=True; decode: the last three) over the pool: host index arrays, device page ids.
 
@@ -120,9 +147,12 @@ class FlashInferBackend(AttentionBackend):
         without waiting. With the overlap schedule the next step is planned while the device may
         not have run the previous copy yet, and graphed wrappers of one size (or all the prefill
         ones, which share scratch) reuse the same pinned buffer: so each plan first waits for the
-        previous plan's copies (in practice long done: the step before was collected)."""
-        if self._plan_copied is not None:
-            self._plan_copied.synchronize()
+        previous plan's copies (in practice long done: the step before was collected); the
+        wrappers of another window have buffers of their own, so only `window`'s are waited on.
+        """
+        copied = self._plan_copied.get(window)
+        if copied is not None:
+            copied.synchronize()
         wrapper.plan(
             *indices,
             self.num_heads,
@@ -132,12 +162,13 @@ class FlashInferBackend(AttentionBackend):
             sm_scale=self.scale,
             q_data_type=self.kv_dtype,
             kv_data_type=self.kv_dtype,
+            window_left=window - 1 if window else -1,
             **extra,
         )
-        self._active = wrapper
+        self._active[window] = wrapper
         if self.device.type == "cuda":
-            self._plan_copied = torch.cuda.Event()
-            self._plan_copied.record()
+            self._plan_copied[window] = torch.cuda.Event()
+            self._plan_copied[window].record()
 
     def forward(
         self,
@@ -149,9 +180,12 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
         gpu_ops.store_kv(k_cache, v_cache, self._out_cache_loc, k, v)
+        window = self.window(layer_id)
         if self._small_decode is not None:
-            return gpu_ops.decode_attention(q, k_cache, v_cache, *self._small_decode, self.scale)
-        return self._active.run(q.contiguous(), (k_cache, v_cache))
+            return gpu_ops.decode_attention(
+                q, k_cache, v_cache, *self._small_decode, self.scale, window=window
+            )
+        return self._active[window].run(q.contiguous(), (k_cache, v_cache))
 
     # ------------------------------------------------------------------------------------------
     # CUDA graphs (decode only)
@@ -186,21 +220,27 @@ class FlashInferBackend(AttentionBackend):
             )
             return
         self._small_decode = None
-        wrapper = self._graph_wrappers.get(bs)
-        if wrapper is None:
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=self.tensor_cores,
-                paged_kv_indptr_buffer=self._graph_kv_indptr[: bs + 1],
-                paged_kv_indices_buffer=self._graph_kv_indices,
-                paged_kv_last_page_len_buffer=self._graph_kv_last_page_len[:bs],
+        for w in self.windows():
+            key = bs if w == 0 else (bs, w)  # window 0 keeps the plain key (bench/ reads it)
+            wrapper = self._graph_wrappers.get(key)
+            if wrapper is None:
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace,
+                    "NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=self.tensor_cores,
+                    paged_kv_indptr_buffer=self._graph_kv_indptr[: bs + 1],
+                    paged_kv_indices_buffer=self._graph_kv_indices,
+                    paged_kv_last_page_len_buffer=self._graph_kv_last_page_len[:bs],
+                )
+                self._graph_wrappers[key] = wrapper
+            self._plan(
+                wrapper,
+                torch.from_numpy(kv_indptr),
+                kv_indices,
+                torch.from_numpy(kv_last_page_len),
+                window=w,
             )
-            self._graph_wrappers[bs] = wrapper
-        self._plan(
-            wrapper, torch.from_numpy(kv_indptr), kv_indices, torch.from_numpy(kv_last_page_len)
-        )
 
     # ------------------------------------------------------------------------------------------
     # CUDA graphs of prefill / mixed batches
@@ -227,8 +267,9 @@ class FlashInferBackend(AttentionBackend):
         "_vector_sparse_indptr_buffer",
     )
 
-    def _share_scratch(self, wrapper) -> None:
-        first = next(iter(self._extend_wrappers.values()), None)
+    def _share_scratch(self, wrapper, window: int) -> None:
+        """Within one window only: two windows' wrappers are planned in the same step."""
+        first = next((x for k, x in self._extend_wrappers.items() if k[2] == window), None)
         if first is not None:
             for name in self._SCRATCH:
                 if getattr(wrapper, name, None) is not None:
@@ -246,29 +287,31 @@ class FlashInferBackend(AttentionBackend):
         arrays already padded to that shape, page ids on the device. The first plan of a shape
         (at capture) fixes its row count; later plans must match it exactly."""
         bs, tokens = len(qo_indptr) - 1, int(qo_indptr[-1])
-        wrapper = self._extend_wrappers.get((bs, tokens))
-        if wrapper is None:
-            b = self._extend_bufs
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_cuda_graph=True,
-                qo_indptr_buf=b["qo_indptr"][: bs + 1],
-                paged_kv_indptr_buf=b["kv_indptr"][: bs + 1],
-                paged_kv_indices_buf=b["kv_indices"],
-                paged_kv_last_page_len_buf=b["last_page_len"][:bs],
-                backend=self.extend_graph_backend,
-            )
-            self._share_scratch(wrapper)
-            self._extend_wrappers[(bs, tokens)] = wrapper
         self._small_decode = None
-        self._plan(
-            wrapper,
-            torch.from_numpy(qo_indptr),
-            torch.from_numpy(kv_indptr),
-            kv_indices,
-            torch.from_numpy(kv_last_page_len),
-            causal=True,
-            disable_split_kv=True,  # FA2: the same kernels at every replay
-        )
+        for w in self.windows():
+            wrapper = self._extend_wrappers.get((bs, tokens, w))
+            if wrapper is None:
+                b = self._extend_bufs
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace,
+                    "NHD",
+                    use_cuda_graph=True,
+                    qo_indptr_buf=b["qo_indptr"][: bs + 1],
+                    paged_kv_indptr_buf=b["kv_indptr"][: bs + 1],
+                    paged_kv_indices_buf=b["kv_indices"],
+                    paged_kv_last_page_len_buf=b["last_page_len"][:bs],
+                    backend=self.extend_graph_backend,
+                )
+                self._share_scratch(wrapper, w)
+                self._extend_wrappers[(bs, tokens, w)] = wrapper
+            self._plan(
+                wrapper,
+                torch.from_numpy(qo_indptr),
+                torch.from_numpy(kv_indptr),
+                kv_indices,
+                torch.from_numpy(kv_last_page_len),
+                causal=True,
+                disable_split_kv=True,  # FA2: the same kernels at every replay
+                window=w,
+            )
         self._out_cache_loc = out_cache_loc

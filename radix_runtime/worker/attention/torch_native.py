@@ -4,6 +4,10 @@ Per batch (`plan`) it turns the page table into flat pool locations per request.
 stores the new K/V, gathers each request's whole sequence from the pool, and runs
 `F.scaled_dot_product_attention` with GQA. Decode requests (one new token each) share one padded
 SDPA call; prefill chunks run one call each with a causal mask shifted by their cached prefix.
+
+Sliding-window layers (a window of W keys: a query at position p sees positions > p - W) get a
+plan of their own: only the keys inside some query's window are gathered, so cached K/V
+outside the window are never read, and the mask cuts the rest.
 """
 
 from __future__ import annotations
@@ -49,6 +53,16 @@ def shifted_causal_mask(prefix_len: int, n: int, device: torch.device) -> torch.
     return k_pos <= q_pos
 
 
+def windowed_causal_mask(
+    prefix_len: int, n: int, first: int, window: int, device: torch.device
+) -> torch.Tensor:
+    """[n, prefix_len + n - first]: query j (position prefix_len + j) sees the keys at positions
+    p - window < k <= p, where the keys gathered start at position `first`."""
+    q_pos = torch.arange(n, device=device)[:, None] + prefix_len
+    k_pos = torch.arange(first, prefix_len + n, device=device)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
 # cuDNN attention builds a plan per new shape, and decode changes the KV length every step
 _SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -59,15 +73,21 @@ class TorchNativeBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         qo_lens = meta.qo_lens_cpu
         decode_ids = np.flatnonzero(qo_lens == 1)
-        self._decode = self._plan_decode(meta, decode_ids) if len(decode_ids) else None
-        self._prefills = [self._plan_prefill(meta, int(i)) for i in np.flatnonzero(qo_lens > 1)]
+        # per window (0 = full): the decode group and the prefill chunks
+        self._plans: dict[int, tuple[_DecodeGroup | None, list[_PrefillChunk]]] = {}
+        for w in self.windows():
+            decode = self._plan_decode(meta, decode_ids, w) if len(decode_ids) else None
+            prefills = [self._plan_prefill(meta, int(i), w) for i in np.flatnonzero(qo_lens > 1)]
+            self._plans[w] = (decode, prefills)
         self._out_cache_loc = meta.out_cache_loc
 
-    def _plan_decode(self, meta: AttentionMetadata, ids: np.ndarray) -> _DecodeGroup:
+    def _plan_decode(self, meta: AttentionMetadata, ids: np.ndarray, window: int) -> _DecodeGroup:
         lens = meta.seq_lens_cpu[ids]
+        if window:
+            lens = np.minimum(lens, window)  # the last `window` keys of each
         locs = np.zeros((len(ids), int(lens.max())), dtype=np.int64)
         for row, i in enumerate(ids):
-            locs[row, : lens[row]] = sequence_locations(meta, int(i))
+            locs[row, : lens[row]] = sequence_locations(meta, int(i))[-int(lens[row]) :]
         mask = np.arange(locs.shape[1])[None, :] < lens[:, None]
         return _DecodeGroup(
             rows=torch.from_numpy(meta.qo_indptr_cpu[ids].astype(np.int64)).to(self.device),
@@ -75,9 +95,14 @@ class TorchNativeBackend(AttentionBackend):
             mask=torch.from_numpy(mask[:, None, None, :]).to(self.device),
         )
 
-    def _plan_prefill(self, meta: AttentionMetadata, i: int) -> _PrefillChunk:
+    def _plan_prefill(self, meta: AttentionMetadata, i: int, window: int = 0) -> _PrefillChunk:
         start, end = int(meta.qo_indptr_cpu[i]), int(meta.qo_indptr_cpu[i + 1])
         prefix = int(meta.prefix_lens_cpu[i])
+        if window and prefix + end - start > window:
+            first = max(0, prefix - window + 1)  # the first key the chunk's first query sees
+            mask = windowed_causal_mask(prefix, end - start, first, window, self.device)
+            locs = torch.from_numpy(sequence_locations(meta, i)[first:]).to(self.device)
+            return _PrefillChunk(start, end, locs, mask)
         mask = shifted_causal_mask(prefix, end - start, self.device) if prefix else None
         locs = torch.from_numpy(sequence_locations(meta, i)).to(self.device)
         return _PrefillChunk(start, end, locs, mask)
@@ -93,12 +118,13 @@ class TorchNativeBackend(AttentionBackend):
         kv_pool.store(layer_id, self._out_cache_loc, k, v)
         k_all, v_all = kv_pool.k_flat(layer_id), kv_pool.v_flat(layer_id)
         out = torch.empty_like(q)
-        if self._decode is not None:
-            d = self._decode
+        decode, prefills = self._plans[self.window(layer_id)]
+        if decode is not None:
+            d = decode
             out[d.rows] = self._sdpa(
                 q[d.rows].unsqueeze(2), k_all[d.kv_locs], v_all[d.kv_locs], d.mask
             ).squeeze(2)
-        for c in self._prefills:
+        for c in prefills:
             q_c = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             mask = c.mask[None, None] if c.mask is not None else None
             out_c = self._sdpa(
