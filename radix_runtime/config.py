@@ -48,6 +48,8 @@ class ServerArgs:
     cuda_graph_max_bs: int = 256
     # prefill/mixed batches of up to this many tokens replay CUDA graphs too; 0: none
     cuda_graph_max_extend_tokens: int = 1024
+    # tool calling: the reply format parsed into tool_calls (auto: from the chat template)
+    tool_call_parser: str = "auto"  # auto | hermes | llama3
     # data parallelism: N replicas of this server behind SGLang's router (radix_runtime/dp/)
     dp: int = 1
     dp_rank: int = 0  # this replica's index (set by the supervisor; tags its KV events)
@@ -93,6 +95,8 @@ class ServerArgs:
             raise ValueError(f"unknown --attention-backend {self.attention_backend!r}")
         if self.cuda_graph_max_extend_tokens < 0:
             raise ValueError("--cuda-graph-max-extend-tokens must be >= 0")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3"):
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
         if self.dp < 1:
             raise ValueError("--dp must be >= 1")
         if self.router_policy not in ROUTER_POLICIES:
@@ -127,6 +131,9 @@ _HELP = {
     "token the worker just sampled on the device)",
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
+    "tool_call_parser": "how /v1/chat/completions finds tool calls in a reply: hermes "
+    "(<tool_call>{...}</tool_call>, Qwen2.5/Hermes and templates without tools), llama3 (a JSON "
+    "reply, Llama 3.1); auto picks from the chat template (docs/tool_calling.md)",
     "dp": "data-parallel replicas of the whole server on this host (one GPU each; CPU replicas "
     "split the cores), behind SGLang's router on --port (needs radix_runtime[router]); "
     "see docs/scaling.md",
@@ -152,6 +159,7 @@ _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],
+    "tool_call_parser": ["auto", "hermes", "llama3"],
     "router_policy": list(ROUTER_POLICIES),
     "log_level": ["debug", "info", "warning", "error"],
 }

@@ -39,6 +39,14 @@ from radix_runtime.server.errors import (
     install_error_handlers,
 )
 from radix_runtime.server.observability import install_observability_routes
+from radix_runtime.server.tools import (
+    ToolPlan,
+    history_for_template,
+    plan_tools,
+    resolve_parser,
+    with_fallback_prompt,
+)
+from radix_runtime.tokenizer.chat_template import CHATML_TEMPLATE, supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +243,7 @@ class _Api:
         self.manager = manager
         self.args = args
         self.created = int(time.time())
+        self._tool_parser: str | None = None
 
     @property
     def limits(self) -> P.ModelLimits:
@@ -350,11 +359,21 @@ class _Api:
         tokenizer = self.tokenizer(param)
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
+        tokenizer = self.tokenizer("messages")
+        template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
         try:
-            prompt = self.tokenizer("messages").apply_chat_template(
-                messages, add_generation_prompt=True
-            )
+            with_tools = supports_tools(template)
+        except ValueError as exc:
+            raise ApiError(f"invalid chat template: {exc}", param="messages") from None
+        messages = history_for_template(messages, with_tools)
+        kwargs: dict[str, Any] = {}
+        if tools is not None and with_tools:
+            kwargs["tools"] = [dict(t) for t in tools.tools]
+        elif tools is not None:
+            messages = with_fallback_prompt(messages, tools)
+        try:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         except ValueError as exc:
             raise ApiError(f"invalid messages: {exc}", param="messages") from None
         # the template already holds BOS and friends
@@ -386,10 +405,15 @@ class _Api:
             )
         if top_logprobs and not req.logprobs:
             raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        P.check_unsupported_chat_fields(req)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         stop = P.normalize_stop(req.stop)
         base = P.sampling_params(req, limits, 1, response_format=req.response_format)
+        schema = tools.json_schema() if tools is not None else None
+        if schema is not None:
+            base = self.constrain_to_tools(base, schema)
         messages = P.chat_messages(req)
-        ids = self.chat_prompt_ids(messages)
+        ids = self.chat_prompt_ids(messages, tools)
         max_new = P.resolve_max_new_tokens(
             len(ids), max_tokens, limits, param=max_param, prompt_param="messages"
         )
@@ -414,8 +438,36 @@ class _Api:
             logprobs=req.logprobs,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             token_text=P.TokenText(self.manager.tokenizer),
+            tools=tools,
         )
         return await self.respond(request, inputs, renderer, req.stream)
+
+    @property
+    def tool_parser(self) -> str:
+        """The reply format of tool_choice "auto" (``--tool-call-parser``, or from the template)."""
+        if self._tool_parser is None:
+            flag = getattr(self.args, "tool_call_parser", "auto")
+            self._tool_parser = resolve_parser(flag, self.manager.chat_template)
+        return self._tool_parser
+
+    @staticmethod
+    def constrain_to_tools(base: Any, schema: str) -> Any:
+        """tool_choice "required" / a named function: the reply is forced by a JSON schema (the
+        worker compiles it; one that does not compile is a 400 before any output)."""
+        if base.grammar is not None:
+            raise ApiError(
+                "tool_choice 'required' or a named function constrains the output already; it "
+                "cannot be combined with response_format, regex, json_schema or ebnf",
+                param="tool_choice",
+            )
+        if len(schema) > P.MAX_GRAMMAR_CHARS:
+            raise ApiError(
+                f"the tools' parameter schemas make a {len(schema)}-character JSON schema; the "
+                f"limit is {P.MAX_GRAMMAR_CHARS}",
+                param="tools",
+                code="grammar_too_large",
+            )
+        return msgspec.structs.replace(base, json_schema=schema)
 
     async def completions(self, request: Request) -> Response:
         req: P.CompletionRequest = await self.decode(request, P.CompletionRequest)

@@ -7,7 +7,10 @@ processes run), so the test is deterministic and fast.
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import time
 
 import pytest
 
@@ -55,12 +58,19 @@ def run(runner, args: ServerArgs, prompts, sampling, arrivals):
     def finish(plan, launched):
         sched.process_result(plan, runner.collect(launched))
 
-    while pending or sched.has_work() or inflight is not None:
+    while pending or sched.has_work() or inflight is not None or sched.grammar_waiting:
         for i in [i for i in pending if arrivals[i] <= step]:
             sched.add_request(
                 m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
             )
             pending.remove(i)
+        # constrained requests: the worker compiles their grammar (on its threads) first
+        for msg in sched.take_worker_messages():
+            runner.compile_grammar(msg.kind, msg.text)
+        if sched.grammar_waiting and not sched.has_work():
+            time.sleep(0.002)
+        for done in runner.finished_compiles():
+            sched.grammar_compiled(done)
         inflight, _ = advance(sched, inflight, lambda batch, _plan: runner.launch(batch), finish)
         ahead_steps += inflight is not None  # what stays in flight was built ahead
         for out in sched.take_outputs():
@@ -181,3 +191,75 @@ def test_hits_after_eviction_and_retraction(runner_factory):
     )
     assert ahead == off
     assert sched.retractions > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# constrained decoding: the grammar's state follows the same tokens whatever the cache, the
+# schedule or the memory pressure (tiny dummy model over the default model's vocabulary)
+
+CONSTRAINTS = {
+    "regex": {"regex": r"[0-9]{1,3}( [a-z]{2,6}){3,40}"},
+    "json_schema": {
+        "json_schema": json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 30},
+                    "kind": {"enum": ["a", "b"]},
+                },
+                "required": ["ids", "kind"],
+            }
+        )
+    },
+}
+
+
+def constrained_text(outputs: dict[str, list[int]], tokenizer) -> dict[str, str]:
+    return {rid: tokenizer.decode(ids) for rid, ids in outputs.items()}
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_constrained_greedy_cache_overlap_and_retraction(runner_factory, kind):
+    """Cache on == off, overlap on == off, and a pool small enough to retract: the same
+    constrained greedy outputs, every one a prefix of (or, stopped, a match of) the grammar."""
+    from radix_runtime.tokenizer import load_tokenizer
+
+    base = ServerArgs(
+        model="tiny-llama",
+        load_format="dummy",
+        model_config="tiny-llama",
+        page_size=1,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        max_running_requests=8,
+        device="cpu",
+        radix_tree_impl="python",
+        disable_overlap_schedule=True,
+    )
+    runner = runner_factory(base)
+    prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=5)
+    arrivals = [i // 3 * 2 for i in range(len(prompts))]
+    sampling = m.SamplingParams(max_new_tokens=24, temperature=0.0, **CONSTRAINTS[kind])
+    off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, sampling, arrivals)
+    on, sched = run(runner, base, prompts, sampling, arrivals)
+    assert on == off
+    assert sched.cached_tokens_total > 100
+    overlap = base.replace(disable_overlap_schedule=False)
+    assert run(runner, overlap, prompts, sampling, arrivals)[0] == off
+    small = base.replace(max_total_tokens=300)
+    small_runner = runner_factory(small)
+    for args in (small, small.replace(disable_overlap_schedule=False)):
+        pressed, sched = run(small_runner, args, prompts, sampling, [0] * len(prompts))
+        assert pressed == off
+        assert sched.retractions > 0
+    # the outputs follow the grammar (the model is random: only the grammar shapes them)
+    texts = constrained_text(off, load_tokenizer("default"))
+    if kind == "regex":
+        for text in texts.values():
+            assert re.fullmatch(r"[0-9]{1,3}( [a-z]{2,6}){0,40}( [a-z]{0,6})?", text), text
+    else:
+        assert all(text.startswith('{"ids": [') for text in texts.values()), texts
+        assert any(len(ids) < 24 for ids in off.values()), "no output reached the grammar's end"
+        for rid, text in texts.items():
+            if len(off[rid]) < 24:
+                assert json.loads(text)["kind"] in ("a", "b")
