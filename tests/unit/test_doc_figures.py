@@ -87,7 +87,8 @@ def test_every_results_file_is_cited_by_the_docs():
 
 # the order work was done in lives in git, not in the manual
 CHRONOLOGY = re.compile(
-    r"session [0-9]|(first|last|final) (gpu |h200 )?call\b|call [0-9]+ of|"
+    r"session [0-9]|(first|last|final) (gpu |h200 )call\b|(first|last|final) call of|"
+    r"call [0-9]+ of|"
     r"\bwas [0-9][0-9,.]* until\b|\bwork period [0-9]",
     re.IGNORECASE,
 )
