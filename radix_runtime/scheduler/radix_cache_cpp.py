@@ -32,6 +32,14 @@ from radix_runtime.scheduler.radix_cache import (
     check_page_ownership,
 )
 
+if not hasattr(_radix_tree.TreeNode, "namespace"):
+    # NOTE: a copy built from older sources takes no namespace argument; refusing it here makes
+    # `--radix-tree-impl auto` fall back to the Python tree (with a warning) instead of failing
+    raise ImportError(
+        "the C++ radix tree extension predates cache namespaces: rebuild it "
+        "(`python setup.py build_ext --inplace`)"
+    )
+
 TreeNode = _radix_tree.TreeNode
 # The twin of allocator.PageAllocator (same interface, same LIFO order, same checks and errors):
 # evictions free thousands of pages at a time, which the numpy allocator checks slower than the
