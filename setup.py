@@ -95,9 +95,11 @@ setup(
             "hypothesis",
             "ruff",
             "openai>=1.0",
+            "jsonschema",
             "httpx",
             "transformers",
             "matplotlib",
+            "playwright",  # drives Debian's Chromium for the /dashboard test
             "jsonschema",
             "sglang-router>=0.3.2,<0.4",  # the --dp tests run the real router
         ],

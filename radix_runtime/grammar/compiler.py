@@ -100,15 +100,15 @@ class GrammarCache:
 
     @property
     def info(self) -> xgr.TokenizerInfo:
-        return self._get_compiler().tokenizer_info
+        self._get_compiler()
+        return self._info
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
+                self._info = self._make_info()
                 # xgrammar's own cache stays off: ours is keyed the same way and bounded
-                self._compiler = xgr.GrammarCompiler(
-                    self._make_info(), max_threads=1, cache_enabled=False
-                )
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:

@@ -26,6 +26,7 @@ import numpy as np
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.grammar import SCHEDULER_KNOWN_GRAMMARS
+from radix_runtime.kv_events import KvEventLog
 from radix_runtime.messages import (
     CacheStats,
     CompileGrammar,
@@ -104,6 +105,11 @@ class Scheduler:
         self.integrity_checks = 0
         # /metrics: increments since the last report (none with --disable-metrics)
         self.stats = None if args.disable_metrics else SchedulerStats()
+        # --kv-events-endpoint: what enters and leaves the tree, as events (kv_events.py)
+        self.kv_events: KvEventLog | None = None
+        if args.kv_events_endpoint and not self.cache.disable:
+            self.kv_events = KvEventLog(self.page_size, args.dp_rank)
+            self.cache.set_evict_observer(self.kv_events.evicted)
 
     # -----------------------------------------------------------------------------------------
     # requests in
@@ -141,6 +147,7 @@ class Scheduler:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            namespace=msg.cache_namespace or None,
             arrived_at=time.perf_counter(),
         )
         self.arrivals += 1
@@ -478,15 +485,18 @@ class Scheduler:
 
     def _match(self, req: Req):
         """Longest cached prefix within `_match_limit`."""
-        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)))
+        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)), req.namespace)
 
     def _shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
-        of `computing` that it could match once they are cached (so waiting pays off)."""
+        of `computing` that it could match once they are cached (so waiting pays off): only one
+        in its own cache namespace, whose prefix it will be able to match."""
         if self.cache.disable:
             return False
         limit = self._match_limit(req)
         for other in computing:
+            if other.namespace != req.namespace:
+                continue
             n = min(len(req.prompt), len(other.prompt), limit)
             if n - cached < IN_BATCH_SHARE_THRESHOLD:
                 continue
@@ -671,9 +681,13 @@ class Scheduler:
         if n_pages <= req.tree_pages:
             return
         ids = req.ids_slice(0, aligned)
-        res = self.cache.insert(ids, req.pages[:n_pages])
+        res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
+        if self.kv_events is not None:
+            self.kv_events.stored(
+                req.rid, ids, res.prefix_len, req.pages[:n_pages], namespace=req.namespace
+            )
         dup_hi = res.prefix_len // self.page_size
-        match = self.cache.match_prefix(ids)
+        match = self.cache.match_prefix(ids, req.namespace)
         assert match.length == aligned, (match.length, aligned)
         if dup_hi > req.tree_pages:
             # someone else cached these tokens first: use their pages, free ours
@@ -690,7 +704,13 @@ class Scheduler:
         if req.node is not None:
             aligned = req.kv_len // self.page_size * self.page_size
             n_pages = aligned // self.page_size
-            res = self.cache.insert(req.ids_slice(0, aligned), req.pages[:n_pages])
+            ids = req.ids_slice(0, aligned)
+            res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
+            if self.kv_events is not None:
+                pages = req.pages[:n_pages]
+                self.kv_events.stored(
+                    req.rid, ids, res.prefix_len, pages, done=True, namespace=req.namespace
+                )
             dup_hi = min(res.prefix_len // self.page_size, n_pages)
             if dup_hi > req.tree_pages:
                 self.allocator.free(req.pages[req.tree_pages : dup_hi])
@@ -737,7 +757,10 @@ class Scheduler:
         already sent. Waiting requests hold nothing; they match again when admitted."""
         cache = self.cache
         nodes = cache.stats()["nodes"]
+        events_before = len(self.kv_events.pending) if self.kv_events is not None else 0
         dropped = cache.evict(cache.evictable_pages) if cache.evictable_pages else 0
+        if self.kv_events is not None:
+            self.kv_events.flushed(events_before)
         return FlushCacheDone(
             ok=True,
             dropped_nodes=nodes - cache.stats()["nodes"],
