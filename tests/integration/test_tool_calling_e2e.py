@@ -216,3 +216,31 @@ def test_required_stream_reassembles(client, model):
         (c["name"], c["arguments"]) for c in as_calls(whole.message)
     ]
     assert all(c["id"].startswith("call_") for c in calls)
+
+
+@needs_grammar
+def test_a_schema_the_grammar_cannot_compile_and_a_second_constraint_are_400s(client, model):
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
+            },
+        },
+    }
+    with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):
+        client.chat.completions.create(
+            model=model, messages=ASK, tools=[bad], tool_choice="required", max_tokens=4
+        )
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+            max_tokens=4,
+        )
+    assert info.value.body["param"] == "tool_choice"
