@@ -36,7 +36,7 @@ def _hf_model(family: str):
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
+        head_dim=128,  # the windowed FlashInfer module Mistral-7B compiles, shared
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
         eos_token_id=2,
@@ -53,7 +53,7 @@ def _hf_model(family: str):
             **common,
             sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            query_pre_attn_scalar=64,
+            query_pre_attn_scalar=128,
         )
         model = transformers.Gemma3ForCausalLM(cfg)
     with torch.no_grad():
