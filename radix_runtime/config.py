@@ -139,7 +139,7 @@ def _flag(name: str) -> str:
 _HELP = {
     "model": "HF folder, GGUF file, a dummy config name, or 'default' (SmolLM2-135M-Instruct)",
     "load_format": "weights format",
-    "model_config": "config.json for --load-format dummy (a path or a shipped name: llama-3.1-8b, tiny-llama)",
+    "model_config": "config.json for --load-format dummy (a path or a shipped name: llama-3.1-8b, qwen3-8b, mistral-7b, gemma-3-12b, tiny-llama)",
     "page_size": "tokens per KV page; 1 gives token-level prefix sharing",
     "max_total_tokens": "KV pool capacity in tokens (default: sized from memory)",
     "chunked_prefill_size": "token budget of one prefill step; smaller steps let a burst's first "
