@@ -106,6 +106,10 @@ class GrammarCache:
         self.hits = 0
         self.misses = 0
 
+    def warm(self) -> None:
+        """Read the vocabulary now, on a compile thread, so the first grammar does not wait."""
+        self._pool.submit(self._get_compiler)
+
     @property
     def info(self) -> xgr.TokenizerInfo:
         self._get_compiler()
