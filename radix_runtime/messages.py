@@ -118,6 +118,9 @@ class GenerateReq(_Msg):
     # >= 0: also return the logprob of every prompt token at positions >= this index
     # (the prefix match is capped so those positions are computed, not read from the cache)
     logprob_start_len: int = -1
+    # the radix tree namespace the request shares cached KV in ("": the public one); set by the
+    # tokenizer process from the cache salt and/or the caller's API key, never sent raw
+    cache_namespace: str = ""
 
 
 class AbortReq(_Msg):

@@ -151,6 +151,7 @@ class Scheduler:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            namespace=msg.cache_namespace or None,
             arrived_at=time.perf_counter(),
         )
         self.arrivals += 1
@@ -497,15 +498,18 @@ class Scheduler:
 
     def _match(self, req: Req):
         """Longest cached prefix within `_match_limit`."""
-        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)))
+        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)), req.namespace)
 
     def _shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
-        of `computing` that it could match once they are cached (so waiting pays off)."""
+        of `computing` that it could match once they are cached (so waiting pays off): only one
+        in its own cache namespace, whose prefix it will be able to match."""
         if self.cache.disable:
             return False
         limit = self._match_limit(req)
         for other in computing:
+            if other.namespace != req.namespace:
+                continue
             n = min(len(req.prompt), len(other.prompt), limit)
             if n - cached < IN_BATCH_SHARE_THRESHOLD:
                 continue
@@ -709,11 +713,13 @@ class Scheduler:
         if n_pages <= req.tree_pages:
             return
         ids = req.ids_slice(0, aligned)
-        res = self.cache.insert(ids, req.pages[:n_pages])
+        res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
         if self.kv_events is not None:
-            self.kv_events.stored(req.rid, ids, res.prefix_len, req.pages[:n_pages])
+            self.kv_events.stored(
+                req.rid, ids, res.prefix_len, req.pages[:n_pages], namespace=req.namespace
+            )
         dup_hi = res.prefix_len // self.page_size
-        match = self.cache.match_prefix(ids)
+        match = self.cache.match_prefix(ids, req.namespace)
         assert match.length == aligned, (match.length, aligned)
         if dup_hi > req.tree_pages:
             # someone else cached these tokens first: use their pages, free ours
@@ -731,10 +737,12 @@ class Scheduler:
             aligned = req.kv_len // self.page_size * self.page_size
             n_pages = aligned // self.page_size
             ids = req.ids_slice(0, aligned)
-            res = self.cache.insert(ids, req.pages[:n_pages])
+            res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
             if self.kv_events is not None:
                 pages = req.pages[:n_pages]
-                self.kv_events.stored(req.rid, ids, res.prefix_len, pages, done=True)
+                self.kv_events.stored(
+                    req.rid, ids, res.prefix_len, pages, done=True, namespace=req.namespace
+                )
             dup_hi = min(res.prefix_len // self.page_size, n_pages)
             if dup_hi > req.tree_pages:
                 self.allocator.free(req.pages[req.tree_pages : dup_hi])

@@ -26,6 +26,7 @@ import msgspec
 
 from radix_runtime.messages import ANY_JSON, JSON_OBJECT_SCHEMA, SamplingParams
 from radix_runtime.server.errors import ApiError, from_msgspec_error
+from radix_runtime.server.tools import NamedToolChoice, ToolCallIn, ToolDef, ToolPlan
 
 # limits on what one request may ask for
 MAX_N = 16
@@ -34,6 +35,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_BATCH = 1024  # generations one request may start (prompts x n)
 MAX_SEED = 2**63 - 1
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
+MAX_CACHE_SALT_CHARS = 1024
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature is greedy (as vLLM and SGLang do)
 # a regex / JSON schema / EBNF grammar longer than this is refused (compile time and memory grow
 # with it; 32 KiB holds schemas of a few hundred properties)
@@ -56,6 +58,8 @@ class GenerateInput(msgspec.Struct, kw_only=True):
     # >= 0: also the logprob of every prompt token at positions >= this index; -1: none
     logprob_start_len: int = -1
     skip_special_tokens: bool = True
+    # the radix tree namespace it shares cached KV in ("": public); see server/tenancy.py
+    cache_namespace: str = ""
 
 
 class GenerateChunk(msgspec.Struct, kw_only=True):
@@ -145,6 +149,8 @@ class ChatMessage(_Request, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class _OpenAIRequest(SamplingFields, kw_only=True):
@@ -153,6 +159,10 @@ class _OpenAIRequest(SamplingFields, kw_only=True):
     max_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # requests share cached KV only with requests of the same salt (vLLM's name; SGLang's
+    # extra_key is an alias): see cache_salt()
+    cache_salt: str | None = None
+    extra_key: str | None = None
 
 
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
@@ -161,6 +171,45 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields that change what the model must do and that are not implemented: a 400
+    # names them (harmless metadata such as user, metadata, store is ignored)
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+
+UNSUPPORTED_CHAT_FIELDS = (
+    ("functions", "use tools"),
+    ("function_call", "use tool_choice"),
+    ("audio", "this server has no audio output"),
+    ("prediction", "predicted outputs are not implemented"),
+    ("web_search_options", "there is no web search"),
+    ("reasoning_effort", "no reasoning model is served"),
+    ("verbosity", "not implemented"),
+)
+
+
+def check_unsupported_chat_fields(req: ChatCompletionRequest) -> None:
+    """A field we would otherwise ignore while the client relies on it is a 400 naming it."""
+    for name, why in UNSUPPORTED_CHAT_FIELDS:
+        if getattr(req, name) is not None:
+            raise ApiError(
+                f"{name} is not supported ({why})", param=name, code="unsupported_parameter"
+            )
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise ApiError(
+            "modalities other than ['text'] are not supported",
+            param="modalities",
+            code="unsupported_parameter",
+        )
 
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
@@ -186,6 +235,8 @@ class NativeGenerateRequest(_Request, kw_only=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     rid: str | list[str] | None = None
+    cache_salt: str | None = None
+    extra_key: str | None = None
 
 
 def decode_request(body: bytes, type_: type) -> Any:
@@ -408,9 +459,29 @@ def check_model(model: str | None, limits: ModelLimits) -> None:
     if model and model != limits.model_name:
         raise ApiError(
             f"the model '{model}' does not exist; this server serves '{limits.model_name}'",
+            status=404,
             param="model",
             code="model_not_found",
         )
+
+
+def cache_salt(req: _OpenAIRequest | NativeGenerateRequest) -> str | None:
+    """The request's cache salt (``cache_salt`` or its alias ``extra_key``), validated: requests
+    share cached KV only with requests of the same salt (server/tenancy.py)."""
+    salt, param = req.cache_salt, "cache_salt"
+    if req.extra_key is not None:
+        if salt is not None and salt != req.extra_key:
+            raise ApiError(
+                "cache_salt and extra_key name the same salt; give one of them", param="extra_key"
+            )
+        salt, param = req.extra_key, "extra_key"
+    if salt is None:
+        return None
+    if not salt:
+        raise ApiError(f"{param} must be a non-empty string", param=param)
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(f"{param} is longer than {MAX_CACHE_SALT_CHARS} characters", param=param)
+    return salt
 
 
 def check_n(n: int, num_prompts: int = 1) -> None:
@@ -481,6 +552,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         if msg.role not in CHAT_ROLES:
             raise ApiError(f"unknown role {msg.role!r}", param=f"messages[{i}].role")
         content = msg.content
+        if msg.tool_calls is not None and msg.role != "assistant":
+            raise ApiError("only assistant messages carry tool_calls", param=f"messages[{i}]")
+        if msg.role == "tool" and msg.tool_call_id is None:
+            raise ApiError(
+                "a tool message needs the tool_call_id it answers",
+                param=f"messages[{i}].tool_call_id",
+            )
         if content is None:
             if msg.role != "assistant":
                 raise ApiError("content must not be null", param=f"messages[{i}].content")
@@ -499,6 +577,17 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         entry = {"role": role, "content": content}
         if msg.name is not None:
             entry["name"] = msg.name
+        if msg.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+                for call in msg.tool_calls
+            ]
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
         out.append(entry)
     return out
 
@@ -779,6 +868,7 @@ class ChatRenderer:
         logprobs: bool,
         include_usage: bool,
         token_text: TokenText,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.id = id
         self.model = model
@@ -787,30 +877,51 @@ class ChatRenderer:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.token_text = token_text
+        self.tools = tools
         self._started: set[int] = set()
+        self._parsers: dict = {}  # choice index -> its ToolCallParser, when streaming tools
 
     def _logprobs(self, ids, logprobs, tops) -> dict | None:
         if not self.logprobs:
             return None
         return chat_logprobs(ids, logprobs, tops or [], self.token_text)
 
+    def _message(self, state: ChoiceState) -> tuple[dict, str | None]:
+        """The assistant message and finish reason of one choice (tool calls parsed out)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": state.full_text}, state.finish_reason
+        from radix_runtime.server.tools import parse_reply
+
+        content, calls = parse_reply(self.tools, state.full_text)
+        if not calls:
+            return {"role": "assistant", "content": content}, state.finish_reason
+        message = {
+            "role": "assistant",
+            "content": content or None,
+            "tool_calls": [c.message() for c in calls],
+        }
+        return message, _tool_finish(state.finish_reason)
+
     def response(self, states: list[ChoiceState]) -> dict:
+        choices = []
+        for s in states:
+            message, finish_reason = self._message(s)
+            choices.append(
+                {
+                    "index": s.index,
+                    "message": message,
+                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs),
+                    "finish_reason": finish_reason,
+                    "matched_stop": s.matched_stop,
+                }
+            )
         return {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": s.index,
-                    "message": {"role": "assistant", "content": s.full_text},
-                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs),
-                    "finish_reason": s.finish_reason,
-                    "matched_stop": s.matched_stop,
-                }
-                for s in states
-            ],
+            "choices": choices,
             "usage": usage(states, self.n),
         }
 
@@ -845,20 +956,62 @@ class ChatRenderer:
                 )
             )
         has_logprobs = self.logprobs and chunk.ids
-        if chunk.text or chunk.finish_reason is not None or has_logprobs:
-            delta = {"content": chunk.text} if chunk.text or has_logprobs else {}
+        text, finish_reason, calls = chunk.text, chunk.finish_reason, []
+        if self.tools is not None:
+            text, calls, finish_reason = self._tool_step(state, chunk)
+        # the finish reason rides on the last content chunk, or follows the tool calls
+        final_here = finish_reason is not None and not calls
+        if text or has_logprobs or final_here:
             choice = {
                 "index": state.index,
-                "delta": delta,
+                "delta": {"content": text} if text or has_logprobs else {},
                 "logprobs": self._logprobs(
                     chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs
                 ),
-                "finish_reason": chunk.finish_reason,
+                "finish_reason": finish_reason if final_here else None,
             }
-            if chunk.finish_reason is not None:
+            if final_here:
                 choice["matched_stop"] = chunk.matched_stop
             out.append(self._chunk([choice]))
+        for call in calls:
+            for delta in call.deltas():
+                out.append(
+                    self._chunk(
+                        [
+                            {
+                                "index": state.index,
+                                "delta": {"tool_calls": [delta]},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
+        if finish_reason is not None and calls:
+            choice = {
+                "index": state.index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "matched_stop": chunk.matched_stop,
+            }
+            out.append(self._chunk([choice]))
         return out
+
+    def _tool_step(self, state: ChoiceState, chunk: GenerateChunk) -> tuple[str, list, str | None]:
+        parser = self._parsers.get(state.index)
+        if parser is None:
+            parser = self._parsers[state.index] = self.tools.new_parser()
+        step = parser.feed(chunk.text)
+        text, calls = step.content, list(step.calls)
+        finish_reason = chunk.finish_reason
+        if finish_reason is not None:
+            last = parser.finish()
+            text += last.content
+            calls += last.calls
+            if parser.calls:
+                finish_reason = _tool_finish(finish_reason)
+        return text, calls, finish_reason
 
     def stream_end(self, states: list[ChoiceState]) -> list[dict]:
         if not self.include_usage:
@@ -866,6 +1019,11 @@ class ChatRenderer:
         last = self._chunk([])
         last["usage"] = usage(states, self.n)
         return [last]
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    """A reply that ended by itself with tool calls finishes with ``tool_calls``."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 class CompletionRenderer:

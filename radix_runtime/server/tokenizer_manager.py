@@ -208,6 +208,7 @@ class TokenizerManager:
                     return_logprob=inp.return_logprob,
                     top_logprobs_num=inp.top_logprobs_num,
                     logprob_start_len=inp.logprob_start_len,
+                    cache_namespace=inp.cache_namespace,
                 )
             )
             state.reached_scheduler = True

@@ -636,14 +636,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Gemma: (1 + w) norms and the gelu(tanh)-gated MLP (FlashInfer's kernels; torch without them)
+# Gemma: (1 + w) norms (FlashInfer's, in its precompiled norm module; torch without it) and the
+# gelu(tanh)-gated MLP (Triton: FlashInfer's gelu kernel is not in the precompiled set and would
+# compile on first use)
 
 try:
-    from flashinfer.activation import gelu_tanh_and_mul as _fi_gelu_tanh_and_mul
     from flashinfer.norm import gemma_fused_add_rmsnorm as _fi_gemma_fused_add_rmsnorm
     from flashinfer.norm import gemma_rmsnorm as _fi_gemma_rmsnorm
 except ImportError:
-    _fi_gelu_tanh_and_mul = _fi_gemma_fused_add_rmsnorm = _fi_gemma_rmsnorm = None
+    _fi_gemma_fused_add_rmsnorm = _fi_gemma_rmsnorm = None
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, y_ptr, INTER, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < INTER
+    gate = tl.load(x_ptr + row * 2 * INTER + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * INTER + INTER + cols, mask=ok, other=0.0).to(tl.float32)
+    # 0.5 x (1 + tanh(y)) = x * sigmoid(2 y), y = sqrt(2 / pi) (x + 0.044715 x^3)
+    y2 = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+    out = gate / (1.0 + tl.exp(-y2)) * up
+    tl.store(y_ptr + row * INTER + cols, out.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -672,7 +686,16 @@ def gemma_fused_add_rmsnorm(
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[N, 2I] (gate | up) -> gelu_tanh(gate) * up, [N, I]."""
-    if _fi_gelu_tanh_and_mul is None:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
-    return _fi_gelu_tanh_and_mul(x)
+    if not x.is_contiguous():
+        return gelu_tanh_and_mul_torch(x)
+    rows, inter = x.shape[0], x.shape[1] // 2
+    y = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    if rows:
+        block = 1024
+        _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, y, inter, BLOCK=block)
+    return y
+
+
+def gelu_tanh_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

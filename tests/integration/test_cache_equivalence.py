@@ -43,11 +43,11 @@ def runner_factory():
     return make
 
 
-def run(runner, args: ServerArgs, prompts, sampling, arrivals):
-    """The scheduler process's step loop (`scheduler.main.advance`) with the runner in-process:
-    with the overlap schedule on (args.disable_overlap_schedule False) step N+1 is launched
-    before step N is collected, its decoders feeding the tokens step N sampled from the device
-    (from_last_sample)."""
+def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None):
+    """The scheduler process's step loop (`scheduler.main.advance`) with the runner in-process
+    (`namespaces[i]`: request i's cache namespace, "" the public one): with the overlap schedule
+    on (args.disable_overlap_schedule False) step N+1 is launched before step N is collected,
+    its decoders feeding the tokens step N sampled from the device (from_last_sample)."""
     sched = Scheduler(args, runner.ready_info())
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
@@ -61,7 +61,12 @@ def run(runner, args: ServerArgs, prompts, sampling, arrivals):
     while pending or sched.has_work() or inflight is not None or sched.grammar_waiting:
         for i in [i for i in pending if arrivals[i] <= step]:
             sched.add_request(
-                m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
+                m.GenerateReq(
+                    rid=f"r{i}",
+                    input_ids=m.pack_ids(prompts[i]),
+                    sampling=sampling,
+                    cache_namespace=namespaces[i] if namespaces else "",
+                )
             )
             pending.remove(i)
         # constrained requests: the worker compiles their grammar (on its threads) first
@@ -159,6 +164,36 @@ def test_greedy_cache_on_equals_off(
     on, _ = run(runner, base, prompts, penal, arrivals)
     assert on == off
     assert run(runner, overlap, prompts, penal, arrivals)[0] == off
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_cache_on_equals_off_with_cache_salts(runner_factory, page_size):
+    """The same prompts spread over the public namespace and two salted ones (as the HTTP layer
+    names them): every namespace computes its own copy of the shared prefixes, and the outputs
+    still equal the cache-off run's."""
+    base = ServerArgs(
+        model="tiny-llama",
+        load_format="dummy",
+        model_config="tiny-llama",
+        page_size=page_size,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        max_running_requests=8,
+        device="cpu",
+        radix_tree_impl="python",
+        disable_overlap_schedule=True,
+    )
+    runner = runner_factory(base)
+    prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=5)
+    namespaces = [("", "salt:a", "tenant:t\x00salt:b")[i % 3] for i in range(len(prompts))]
+    arrivals = [i // 2 * 3 for i in range(len(prompts))]
+    greedy = m.SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    on, sched = run(runner, base, prompts, greedy, arrivals, namespaces)
+    assert on == off
+    _, public = run(runner, base, prompts, greedy, arrivals)
+    # salted requests hit only their own namespace's prefixes: fewer hits than all-public
+    assert 0 < sched.cached_tokens_total < public.cached_tokens_total
 
 
 def test_hits_after_eviction_and_retraction(runner_factory):

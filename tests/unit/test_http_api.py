@@ -629,7 +629,6 @@ CHAT_BAD = [
         None,
     ),
     ({"messages": [{"role": "user", "content": "BAD"}]}, "messages", None),
-    ({"model": "gpt-4"}, "model", "model_not_found"),
     ({"model": 5}, "model", "invalid_type"),
     ({"max_tokens": 0}, "max_tokens", None),
     ({"max_tokens": -1}, "max_tokens", None),
@@ -698,6 +697,21 @@ def test_chat_bad_input(client, manager, patch, param, code):
     assert manager.inputs == []
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
+        ),
+        ("/v1/completions", {"model": "nope", "prompt": "x"}),
+    ],
+)
+def test_unknown_model_is_404(client, manager, path, body):
+    assert_error(client.post(path, json=body), 404, param="model", code="model_not_found")
+    assert manager.inputs == []
+
+
 @pytest.mark.parametrize("value", [b"1e999", b"-1e999", b"Infinity", b"-0.5"])
 def test_temperature_not_finite_or_negative(client, value):
     body = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": ' + value + b"}"
@@ -731,7 +745,6 @@ COMPLETION_BAD = [
     ({"prompt": "x" * CONTEXT}, "prompt", "context_length_exceeded"),
     ({"prompt": [5] * 10, "max_tokens": CONTEXT - 5}, "prompt", "context_length_exceeded"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", None),
-    ({"prompt": "x", "model": "nope"}, "model", "model_not_found"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", None),
     ({"prompt": "x", "logprobs": True}, "logprobs", "invalid_type"),
     ({"prompt": "x", "echo": True}, "echo", None),
@@ -1089,7 +1102,8 @@ def test_openai_client(live_server, manager):
     assert completion.choices[0].text == REPLY[:3]
     assert completion.usage.prompt_tokens == 4
 
-    with pytest.raises(openai.BadRequestError) as info:
+    # an unknown model is a 404, as OpenAI answers: the SDK raises NotFoundError
+    with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     assert info.value.code == "model_not_found"
     assert [m.id for m in client.models.list()] == [MODEL]
