@@ -636,15 +636,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Gemma: (1 + w) norms (FlashInfer's, in its precompiled norm module; torch without it) and the
-# gelu(tanh)-gated MLP (Triton: FlashInfer's gelu kernel is not in the precompiled set and would
-# compile on first use)
+# Gemma: (1 + w) norms (FlashInfer's, in its precompiled norm module; torch without it), the
+# sublayer-exit norm + residual add + next norm in one Triton kernel, and the gelu(tanh)-gated
+# MLP (Triton: FlashInfer's gelu kernel is not in the precompiled set, it would compile on first
+# use)
 
 try:
-    from flashinfer.norm import gemma_fused_add_rmsnorm as _fi_gemma_fused_add_rmsnorm
     from flashinfer.norm import gemma_rmsnorm as _fi_gemma_rmsnorm
 except ImportError:
-    _fi_gemma_fused_add_rmsnorm = _fi_gemma_rmsnorm = None
+    _fi_gemma_rmsnorm = None
 
 
 @triton.jit
@@ -672,16 +672,47 @@ def gemma_rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     return (h * (1.0 + weight.float())).to(x.dtype)
 
 
-def gemma_fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+@triton.jit
+def _gemma_norm_add_norm_kernel(
+    h_ptr, res_ptr, out_ptr, w_post_ptr, w_next_ptr, eps, HIDDEN, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < HIDDEN
+    h = tl.load(h_ptr + row * HIDDEN + cols, mask=ok, other=0.0).to(tl.float32)
+    w_post = tl.load(w_post_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    w_next = tl.load(w_next_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps) * (1.0 + w_post)
+    # the residual stream is kept in the model dtype, as the unfused path rounds it
+    normed = normed.to(res_ptr.dtype.element_ty).to(tl.float32)
+    r = tl.load(res_ptr + row * HIDDEN + cols, mask=ok, other=0.0).to(tl.float32) + normed
+    r = r.to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + row * HIDDEN + cols, r, mask=ok)
+    r = r.to(tl.float32)
+    x = r * tl.rsqrt(tl.sum(r * r, axis=0) / HIDDEN + eps) * (1.0 + w_next)
+    tl.store(out_ptr + row * HIDDEN + cols, x.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gemma_norm_add_norm(
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    w_post: torch.Tensor,
+    w_next: torch.Tensor,
+    eps: float,
 ) -> torch.Tensor:
-    """residual += x; x = gemma_rmsnorm(residual), both in place; returns x."""
-    if _fi_gemma_fused_add_rmsnorm is None:
-        residual.add_(x)
-        x.copy_(gemma_rmsnorm_torch(residual, weight, eps))
-        return x
-    _fi_gemma_fused_add_rmsnorm(x, residual, weight, eps)
-    return x
+    """Gemma's sublayer exit and the next entry in one kernel: residual += gemma_norm(h, w_post)
+    (in place); returns gemma_norm(residual, w_next)."""
+    if not (h.is_contiguous() and residual.is_contiguous()):
+        residual.add_(gemma_rmsnorm_torch(h, w_post, eps))
+        return gemma_rmsnorm_torch(residual, w_next, eps)
+    rows, hidden = h.shape
+    out = torch.empty_like(h)
+    if rows:
+        _gemma_norm_add_norm_kernel[(rows,)](
+            h, residual, out, w_post, w_next, eps, hidden,
+            BLOCK=triton.next_power_of_2(hidden), num_warps=8,
+        )  # fmt: skip
+    return out
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
