@@ -384,6 +384,11 @@ def main() -> None:
     p.add_argument("--decode-batches", default="1,64,256")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument(
+        "--no-ab",
+        action="store_true",
+        help="skip the batch-1 A/B variants at the end (FlashInfer attention, unfused, cuBLAS)",
+    )
+    p.add_argument(
         "--experiments",
         action="store_true",
         help="also: Python profiles of a batch-1 step and a cached prefill, and batch-1 decode "
@@ -485,7 +490,7 @@ def main() -> None:
 
     if args.experiments:
         experiments(runner, bench, results, args.context, w_bytes, copy_bps)
-    if runner.cuda_graphs is not None:
+    if runner.cuda_graphs is not None and not args.no_ab:
         # A/B in the same run: batch-1 decode with FlashInfer's decode attention instead of the
         # Triton split-KV kernel; also without the fused one-token path (the norms, adds and
         # SiLU as kernels of their own); and that with cuBLAS for every projection

@@ -77,7 +77,7 @@ for stage in "$@"; do
             for model in qwen3-8b mistral-7b gemma-3-12b; do
                 batches=1,64,256
                 [ "$model" = gemma-3-12b ] && batches=1,64  # 393 KB of KV a token
-                timeout 150 python3 bench/gpu_worker.py --model "$model" --decode-batches "$batches" \
+                timeout 200 python3 bench/gpu_worker.py --model "$model" --decode-batches "$batches" --no-ab \
                     --out "$OUT/h200_gpu_worker_$model.json" \
                     | grep -E "^(decode_bs1_roofline|decode_bs1_graph_roofline|prefill_8192_mfu|prefill_2048_mfu|decode_bs64_tok_s|weight_GB)" \
                     || status=1
