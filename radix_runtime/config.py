@@ -63,6 +63,8 @@ class ServerArgs:
     kv_events_replay_endpoint: str | None = None
     # constrained decoding: threads compiling grammars in the worker (off its step loop)
     grammar_compile_threads: int = 2
+    # constrained decoding: append the tokens a grammar forces (fixed JSON keys) in one step
+    enable_jump_forward: bool = False
     # process hygiene
     log_level: str = "info"
     watchdog_timeout: float = (
@@ -170,6 +172,9 @@ _HELP = {
     "cached block and the sequence number it is valid at (default: none)",
     "disable_metrics": "no GET /metrics and no request timing (metrics are on by default; "
     "--enable-metrics is accepted for SGLang compatibility)",
+    "enable_jump_forward": "constrained decoding: where the grammar admits one continuation "
+    "(fixed JSON keys, punctuation), append its tokens and compute them in one step instead of "
+    "a decode step each (docs/structured_output.md)",
     "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
     "worker, off its step loop",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health (give it "

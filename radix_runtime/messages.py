@@ -157,6 +157,19 @@ class CacheStats(msgspec.Struct, frozen=True):
     tree: str = ""  # the radix tree implementation in use: "cpp" or "python"
 
 
+class GrammarStats(msgspec.Struct, frozen=True):
+    """Constrained decoding since start: requests with a grammar, how many found it compiled
+    (the scheduler's cache of what the worker compiled), and the worker's compile times."""
+
+    requests: int = 0
+    cache_hits: int = 0
+    compiles: int = 0
+    failed: int = 0
+    compile_p50_s: float = 0.0
+    compile_p99_s: float = 0.0
+    compile_max_s: float = 0.0
+
+
 class ServerInfo(_Msg):
     cache: CacheStats
     running_requests: int
@@ -166,6 +179,9 @@ class ServerInfo(_Msg):
     context_length: int
     vocab_size: int
     decode_steps: int = 0
+    steps: int = 0  # forward steps sent to the worker
+    jumped_tokens: int = 0  # output tokens appended by jump-forward decoding
+    grammar: GrammarStats | None = None
     retractions: int = 0
     integrity_checks: int = 0
 
@@ -316,6 +332,9 @@ class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     # constrained: the grammar ended with next_id (it accepted a stop token), or next_id broke it
     grammar_done: bool = False
     grammar_error: str | None = None
+    # --enable-jump-forward: tokens the grammar forces after next_id (already accepted by its
+    # matcher): outputs that the next step computes in one go instead of a decode step each
+    jump_ids: bytes = b""  # int32
     logprob: float = 0.0
     top_ids: bytes = b""
     top_logprobs: bytes = b""

@@ -223,6 +223,7 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
 
 class NativeSamplingParams(SamplingFields, kw_only=True):
     max_new_tokens: int | None = None
+    min_new_tokens: int | None = None  # SGLang's native name of min_tokens
 
 
 class NativeGenerateRequest(_Request, kw_only=True):
@@ -349,7 +350,9 @@ def sampling_params(
             )
         _check_range(bias, param, -100.0, 100.0)
         logit_bias[tok] = float(bias)
-    min_tokens = 0 if f.min_tokens is None else f.min_tokens
+    min_tokens = f.min_tokens
+    if min_tokens is None:
+        min_tokens = getattr(f, "min_new_tokens", None) or 0
     if not 0 <= min_tokens <= limits.context_length:
         raise ApiError(
             f"min_tokens must be in [0, {limits.context_length}], got {min_tokens}",

@@ -118,7 +118,12 @@ class ModelRunner:
         self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
         self.grammars = self._grammar_cache(loaded.source)
         self.sampler = Sampler(
-            c.vocab_size, self.device, args.seed, list(c.eos_token_ids), self.grammars
+            c.vocab_size,
+            self.device,
+            args.seed,
+            list(c.eos_token_ids),
+            self.grammars,
+            jump_forward=args.enable_jump_forward,
         )
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
@@ -158,19 +163,23 @@ class ModelRunner:
         """Constrained decoding's compile cache; None without xgrammar or without a tokenizer
         (a constrained request then fails with a clear error)."""
         try:
-            from radix_runtime.grammar.compiler import GrammarCache, tokenizer_info
+            from radix_runtime.grammar.compiler import GrammarCache
         except ImportError:
             logger.warning("xgrammar is not installed: constrained decoding is off")
             return None
-        eos = list(self.config.eos_token_ids)
-        vocab_size = self.config.vocab_size
 
-        def make_info():
+        def load():
             from radix_runtime.tokenizer import load_tokenizer
 
-            return tokenizer_info(load_tokenizer(source), vocab_size, eos)
+            # the tokenizer the front uses (a dummy model without one: the default vocabulary)
+            return load_tokenizer(self.args.tokenizer or source)
 
-        return GrammarCache(make_info, threads=self.args.grammar_compile_threads)
+        return GrammarCache(
+            load,
+            self.config.vocab_size,
+            list(self.config.eos_token_ids),
+            threads=self.args.grammar_compile_threads,
+        )
 
     def compile_grammar(self, kind: str, text: str) -> None:
         """Start compiling a grammar (the outcome comes from `finished_compiles`)."""
@@ -309,8 +318,13 @@ class ModelRunner:
             for j, i in enumerate(pending.sampled):
                 res = results[i]
                 res.next_id = out.next_ids[j]
-                done, error = self.sampler.grammar_status(pending.reqs[i].slot, pending.step)
+                req = pending.reqs[i]
+                # no jump-forward for logprob requests: forced tokens have no model logprob
+                jump = not req.return_logprob and req.top_logprobs_num == 0
+                done, error, forced = self.sampler.grammar_status(req.slot, pending.step, jump)
                 res.grammar_done, res.grammar_error = done, error
+                if forced:
+                    res.jump_ids = m.pack_ids(forced)
                 res.logprob = out.logprobs[j]
                 if pending.reqs[i].top_logprobs_num > 0:
                     res.top_ids = m.pack_ids(out.top_ids[j])

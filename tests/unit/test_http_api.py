@@ -1254,7 +1254,7 @@ def test_completions_response_format(client, manager):
     ],
 )
 def test_generate_json_schema_object_or_string(client, manager, value, expected):
-    body = {"text": "a", "sampling_params": {"json_schema": value, "min_tokens": 2}}
+    body = {"text": "a", "sampling_params": {"json_schema": value, "min_new_tokens": 2}}
     assert client.post("/generate", json=body).status_code == 200
     (inp,) = manager.inputs
     assert inp.sampling.json_schema == expected
