@@ -600,6 +600,10 @@ class Scheduler:
                 if keep < len(lps):
                     out.prompt_logprob_start = first + keep
                     out.prompt_logprobs = pack_floats(lps[keep:])
+                    if res.prompt_top_ids:  # k per position
+                        k = req.top_logprobs_num
+                        out.prompt_top_ids = res.prompt_top_ids[4 * k * keep :]
+                        out.prompt_top_logprobs = res.prompt_top_logprobs[4 * k * keep :]
                     has_news = True
             if p.sample:
                 token = int(res.next_id)

@@ -297,7 +297,7 @@ class ModelRunner:
             fetch.extend(out.tensors())
         pending.prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs]
         for i in pending.prompt_rows:
-            fetch.append(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
+            fetch.extend(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
         pending.host, pending.event = self._copy_to_host(fetch)
         if sampled:  # host[0]: the sampled ids (a grammar accepts its token from there)
             self.sampler.note_sampled(slots, batch.step, pending.host[0], pending.event)
@@ -329,8 +329,15 @@ class ModelRunner:
                 if pending.reqs[i].top_logprobs_num > 0:
                     res.top_ids = m.pack_ids(out.top_ids[j])
                     res.top_logprobs = m.pack_floats(out.top_logprobs[j])
-        for i, lps in zip(pending.prompt_rows or [], host[used:]):
+        for i in pending.prompt_rows or []:
+            lps = host[used]
             results[i].prompt_logprobs = m.pack_floats(lps.numpy().astype(np.float32))
+            used += 1
+            if pending.reqs[i].top_logprobs_num > 0:  # and the top-k of each position
+                top_vals, top_idx = host[used], host[used + 1]
+                results[i].prompt_top_logprobs = m.pack_floats(top_vals.numpy().reshape(-1))
+                results[i].prompt_top_ids = m.pack_ids(top_idx.numpy().reshape(-1))
+                used += 2
         forward_s = time.perf_counter() - pending.t0
         return m.ForwardResult(step=pending.step, results=results, forward_s=forward_s)
 
@@ -529,13 +536,21 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, r: m.ForwardReq, ids: np.ndarray, logits: torch.Tensor
-    ) -> torch.Tensor:
-        """logprob of input_ids[1:] (and next_token when known), each given everything before it
-        (float32, on the device)."""
+    ) -> list[torch.Tensor]:
+        """[logprob of input_ids[1:] (and next_token when known), each given everything before
+        it], and with r.top_logprobs_num = k > 0 also the top-k logprobs and ids of each of those
+        positions ([n, k] float32 and int32) (on the device)."""
         targets = ids[1:].astype(np.int64)
         if r.next_token >= 0:
             targets = np.append(targets, r.next_token)
+        k = r.top_logprobs_num
         if len(targets) == 0:
-            return torch.zeros(0, dtype=torch.float32, device=self.device)
+            empty = torch.zeros(0, dtype=torch.float32, device=self.device)
+            return [empty] if k <= 0 else [empty, empty.view(0, k), empty.view(0, k).int()]
         t = to_device(targets, torch.long, self.device)
-        return target_logprobs(logits[: len(targets)], t).float()
+        rows = logits[: len(targets)]
+        out = [target_logprobs(rows, t).float()]
+        if k > 0:
+            top = torch.log_softmax(rows.float(), dim=-1).topk(k, dim=-1)
+            out += [top.values, top.indices.int()]
+        return out
