@@ -23,6 +23,12 @@ pool's: per layer K and V of [num_pages, page_size, kv_heads, head_dim]):
 
 New K/V are written with the Triton kernel `gpu_ops.store_kv` (one launch for K and V).
 
+An FP8 pool (`--kv-cache-dtype fp8_e4m3`): `store_kv` writes x / scale in e4m3; the wrappers are
+planned with `kv_data_type` FP8 and q in the model dtype, and run with each layer's `k_scale`
+(folded into the softmax scale) and `v_scale` (a multiply of the output; skipped at 1.0); every
+prefill wrapper uses FlashInfer's FA2 kernels (its FA3 prefill wants q and KV in one dtype); the
+Triton decode kernel widens the FP8 rows in registers.
+
 Sliding-window layers (Mistral, Gemma 3's local layers): every wrapper above exists once per
 distinct window of the model (0 = full attention), planned with FlashInfer's `window_left`
 (window - 1: the keys a query sees besides itself); each layer runs the wrapper of its window.
@@ -102,6 +108,10 @@ class FlashInferBackend(AttentionBackend):
             if w
         }
         self.kv_dtype: torch.dtype | None = None  # the pool's, known once bound
+        self.q_dtype: torch.dtype | None = None  # the model's (differs from kv_dtype for FP8)
+        self.fp8 = False
+        self.k_scales: list[float] = []
+        self.v_scales: list[float] = []
         self.page_size = 1
         self._active: dict[int, object] = {}  # per window, the wrapper planned for this batch
         # per window: recorded after each plan's copies out of FlashInfer's pinned host
@@ -123,10 +133,23 @@ class FlashInferBackend(AttentionBackend):
         self._extend_bufs: dict[str, torch.Tensor] = {}
 
     def bind_pool(self, kv_pool: KVPool) -> None:
-        if kv_pool.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the flashinfer backend needs fp16 or bf16, not {kv_pool.dtype}")
+        if kv_pool.act_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer backend needs fp16 or bf16, not {kv_pool.act_dtype}")
         super().bind_pool(kv_pool)
+        self.q_dtype = kv_pool.act_dtype
         self.page_size = kv_pool.page_size
+        self.k_scales, self.v_scales = kv_pool.k_scales, kv_pool.v_scales
+        self.fp8 = kv_pool.is_fp8
+        if self.fp8 and self._prefill_backend != "fa2":  # mixed q/KV dtypes: FA2 kernels
+            self._prefill_backend = self.extend_graph_backend = "fa2"
+            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend="fa2"
+            )
+            for w, (_, decode) in self._window_wrappers.items():
+                prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", backend="fa2"
+                )
+                self._window_wrappers[w] = (prefill, decode)
 
     # ------------------------------------------------------------------------------------------
     # eager batches
@@ -175,7 +198,7 @@ class FlashInferBackend(AttentionBackend):
             self.head_dim,
             self.page_size,
             sm_scale=self.scale,
-            q_data_type=self.kv_dtype,
+            q_data_type=self.q_dtype,
             kv_data_type=self.kv_dtype,
             window_left=self._window_left(window),
             **extra,
@@ -199,13 +222,22 @@ class FlashInferBackend(AttentionBackend):
         kv_pool: KVPool,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
-        gpu_ops.store_kv(k_cache, v_cache, self._out_cache_loc, k, v)
+        ks, vs = self.k_scales[layer_id], self.v_scales[layer_id]
+        gpu_ops.store_kv(k_cache, v_cache, self._out_cache_loc, k, v, ks, vs)
         window = self.window(layer_id)
         if self._small_decode is not None:
             return gpu_ops.decode_attention(
-                q, k_cache, v_cache, *self._small_decode, self.scale, window=window
-            )
-        return self._active[window].run(q.contiguous(), (k_cache, v_cache))
+                q, k_cache, v_cache, *self._small_decode, self.scale, window=window,
+                k_scale=ks, v_scale=vs,
+            )  # fmt: skip
+        if not self.fp8:
+            return self._active[window].run(q.contiguous(), (k_cache, v_cache))
+        return self._active[window].run(
+            q.contiguous(),
+            (k_cache, v_cache),
+            k_scale=None if ks == 1.0 else ks,
+            v_scale=None if vs == 1.0 else vs,
+        )
 
     # ------------------------------------------------------------------------------------------
     # CUDA graphs (decode only)
