@@ -9,7 +9,8 @@ with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
   streaming GEMV on the LM head's shape, measured in the same run): each variant's own roofline,
   since its weights have their own size;
 - prefill of 8,192 tokens in one chunk (wall ms);
-- KV bytes per token (the pool's capacity in a fixed memory budget is inversely proportional).
+- KV bytes per token (the pool's capacity in a fixed memory budget is inversely proportional);
+- the FP8 GEMV's rows per program against the bf16 GEMV on the two largest projections.
 Ratios against bf16 (`*_vs_bf16`) are what the goals are set on: decode FP8 >= 1.8x, prefill 8K
 FP8 >= 1.6x.
 
@@ -93,12 +94,40 @@ def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
     return out
 
 
+def gemv_fp8_sweep() -> dict:
+    """The FP8 GEMV's rows per program (`FP8_GEMV_ROWS_FACTOR` x the bf16 table's BLOCK_N) on the
+    two largest 8B projections, against the bf16 GEMV on the same shape: us and weight TB/s."""
+    out = {f"{n}x{k}": _gemv_case(n, k) for n, k in ((28672, 4096), (4096, 14336))}
+    torch.cuda.empty_cache()
+    print("gemv", out, flush=True)
+    return out
+
+
+def _gemv_case(n: int, k: int) -> dict:
+    from radix_runtime.worker import gpu_ops
+
+    base = gpu_ops.GEMV_CONFIGS.get((n, k, gpu_ops.GEMV_PLAIN, False), (4, 1024, 4))
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    scale = w16.float().abs().amax(1) / 448.0
+    w8 = (w16.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    bf16_ms = cuda_time_ms(lambda: gpu_ops.gemv(x, w16), 5, 50)
+    case = {"bf16_us": bf16_ms * 1e3, "bf16_TBps": 2 * n * k / (bf16_ms * 1e-3) / 1e12}
+    for f in (1, 2, 4):
+        cfg = (base[0] * f, base[1], base[2])
+        ms = cuda_time_ms(lambda c=cfg: gpu_ops.gemv(x, w8, w_scale=scale, config=c), 5, 50)
+        case[f"fp8_rows_x{f}_us"] = ms * 1e3
+        case[f"fp8_rows_x{f}_TBps"] = n * k / (ms * 1e-3) / 1e12
+    return case
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--no-sweep", action="store_true", help="skip the FP8 GEMV block sweep")
     p.add_argument("--out")
     args = p.parse_args()
     read_tbps = read_bandwidth_TBps()
@@ -109,6 +138,8 @@ def main() -> None:
         "read_TBps": read_tbps,
         "variants": {},
     }
+    if not args.no_sweep:
+        results["gemv_fp8"] = gemv_fp8_sweep()
     for name in args.variants.split(","):
         results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
         if args.out:  # what was measured so far survives a later failure

@@ -395,6 +395,10 @@ def gemv(
         y = add_to
     key = (n, k, prologue, add_to is not None)
     block_n, block_k, warps = config or GEMV_CONFIGS.get(key, GEMV_DEFAULT_CONFIG[prologue])
+    if w_scale is not None and config is None:
+        # FP8 rows are half as many bytes: twice the rows per program keeps each program's
+        # loads the size the bf16 sweep chose
+        block_n *= FP8_GEMV_ROWS_FACTOR
     _gemv_fused_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -417,6 +421,35 @@ def gemv(
 
 # bench/gpu_worker.py A/B-measures decode with and without it (graphs captured each way)
 USE_TRITON_GEMV = True
+FP8_GEMV_ROWS_FACTOR = 2  # BLOCK_N of an FP8 weight's GEMV over the bf16 table's (bench/quant.py)
+
+
+@triton.jit
+def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, BLOCK: tl.constexpr):
+    # one program per row: scale = max|x| / 448, q = x / scale in e4m3 (one read of x)
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + r * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + r * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + r, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]): the dynamic per-token
+    activation quantization of an FP8 projection in one kernel (torch's is six)."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_fp8_kernel[(m,)](x, q, s, k, x.stride(0), BLOCK=block,
+                                        num_warps=8 if block >= 4096 else 4)  # fmt: skip
+    return q, s
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -85,6 +85,17 @@ def test_fp8_gemv(n, k):
     assert rel_err(gpu_ops.gemv(x, w, w_scale=s, add_to=res.clone()), want) < 5e-3
 
 
+@pytest.mark.parametrize("shape", [(1, 4096), (300, 14336), (7, 100)])
+def test_quantize_rows_fp8(shape):
+    x = torch.randn(*shape, device=DEV, dtype=torch.bfloat16) * 5
+    q, s = gpu_ops.quantize_rows_fp8(x)
+    ref_s = x.float().abs().amax(-1, keepdim=True) / 448.0
+    assert torch.allclose(s, ref_s, rtol=1e-6)
+    ref_q = (x.float() / ref_s).to(FP8)
+    same = (q.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean().item()
+    assert same > 0.999, same  # division rounding may move a tie now and then
+
+
 @pytest.mark.parametrize("m", [2, 64, 8192])
 def test_fp8_linear_scaled_mm(m):
     """Fp8Linear on CUDA (per-token FP8 activations, torch._scaled_mm) against the same
