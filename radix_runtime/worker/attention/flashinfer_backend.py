@@ -70,6 +70,11 @@ def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     return num_heads // num_kv_heads >= 4
 
 
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache[pages] of an FP8 pool, gathered as bytes (index kernels need not know FP8)."""
+    return cache.view(torch.uint8).index_select(0, pages).view(cache.dtype)
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
@@ -236,8 +241,8 @@ class FlashInferBackend(AttentionBackend):
                 k_scale=ks, v_scale=vs,
             )  # fmt: skip
         if self._gather_pages is not None:  # an FP8 pool: this batch's pages in bf16
-            k_cache = k_cache.index_select(0, self._gather_pages).to(q.dtype) * ks
-            v_cache = v_cache.index_select(0, self._gather_pages).to(q.dtype) * vs
+            k_cache = _gather(k_cache, self._gather_pages).to(q.dtype) * ks
+            v_cache = _gather(v_cache, self._gather_pages).to(q.dtype) * vs
         return self._active[window].run(q.contiguous(), (k_cache, v_cache))
 
     # ------------------------------------------------------------------------------------------
