@@ -46,6 +46,11 @@ class ServerArgs:
     # one step ahead: the next batch is built and sent while the worker computes this one
     disable_overlap_schedule: bool = False
     radix_tree_impl: str = "auto"  # auto | cpp | python
+    # the host-memory tier under the radix tree (docs/hicache.md)
+    enable_hierarchical_cache: bool = False
+    hicache_size: float = 0.0  # GB of host memory for it; 0: --hicache-ratio of the device pool
+    hicache_ratio: float = 2.0
+    hicache_write_policy: str = "write_through"  # write_through | write_back
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
@@ -130,6 +135,10 @@ class ServerArgs:
             raise ValueError("--grammar-compile-threads must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.hicache_size < 0 or self.hicache_ratio <= 0:
+            raise ValueError("--hicache-size must be >= 0 and --hicache-ratio > 0")
+        if self.hicache_write_policy not in ("write_through", "write_back"):
+            raise ValueError("--hicache-write-policy must be write_through or write_back")
 
 
 def _flag(name: str) -> str:
@@ -180,6 +189,12 @@ _HELP = {
     "API key's tenant (whatever cache_salt they send); none: with the same cache_salt "
     "(docs/tenancy.md)",
     "disable_docs": "do not serve /openapi.json and /docs",
+    "enable_hierarchical_cache": "keep KV evicted from the device pool in a host-memory pool and "
+    "load it back instead of recomputing it (docs/hicache.md)",
+    "hicache_size": "GB of host memory for the host tier (0: --hicache-ratio of the device pool)",
+    "hicache_ratio": "host tier size as a multiple of the device KV pool (when --hicache-size is 0)",
+    "hicache_write_policy": "write_through: copy KV to the host as soon as it is cached (eviction "
+    "is then free); write_back: copy it when it is evicted from the device",
 }
 
 _CHOICES = {
@@ -189,6 +204,7 @@ _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],
+    "hicache_write_policy": ["write_through", "write_back"],
     "tool_call_parser": ["auto", "hermes", "llama3"],
     "router_policy": list(ROUTER_POLICIES),
     "cache_isolation": ["none", "api-key"],
