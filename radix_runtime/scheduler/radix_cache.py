@@ -776,9 +776,12 @@ class RadixCache:
                 protected += len(node.pages)
             else:
                 evictable += len(node.pages)
-                if on_device and node.dev_children == 0:
-                    if node.namespace is None or not node.children:
-                        leaves.add(node)
+                if (
+                    on_device
+                    and node.dev_children == 0
+                    and (node.namespace is None or not node.children)
+                ):
+                    leaves.add(node)
         assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
         assert protected == self._protected, f"protected {self._protected} != recount {protected}"
 
