@@ -498,7 +498,9 @@ class Scheduler:
             if computing is None:
                 computing = self._computing_uncached(shared_with)
             match = self._match(req)
-            if self._shares_uncached_prefix(req, match.length + match.host_length, computing):
+            # NOTE: the C++ tree's matches have no host fields (it has no host tier)
+            host_len = match.host_length if self.host_allocator is not None else 0
+            if self._shares_uncached_prefix(req, match.length + host_len, computing):
                 continue
             loaded = self._lock_match(req, match, budget, reserve)
             n = min(budget, req.remaining_fill)
@@ -512,8 +514,8 @@ class Scheduler:
                 self.prompt_tokens_total += len(req.prompt)
                 self.cached_tokens_total += match.length + loaded
                 self.host_cached_tokens_total += loaded
-                if match.host_length and not loaded:
-                    self.host_recomputed_tokens += match.host_length
+                if host_len and not loaded:
+                    self.host_recomputed_tokens += host_len
                 req.admitted_at = time.perf_counter()
                 if self.stats is not None:
                     self.stats.admitted(
@@ -535,7 +537,7 @@ class Scheduler:
         when the load beats recomputing and the pool has the pages for it and for the first
         chunk; else the request computes those tokens. Returns the tokens loaded."""
         ps = self.page_size
-        host_len = match.host_length
+        host_len = match.host_length if self.host_allocator is not None else 0
         if host_len:
             load_pages = host_len // ps
             kv_after = match.length + host_len

@@ -243,7 +243,7 @@ class TieredMachine(RuleBasedStateMachine):
         cache.check_integrity(held_pages=held)
         self.pools.step(cache)
         res = residency(cache)
-        for key, (dev, host, node) in res.items():
+        for key, (dev, host, _node) in res.items():
             assert dev is not None or host is not None, "a node in neither tier"
             assert key in self.inserted
             if dev is not None:
