@@ -165,7 +165,8 @@ class CacheStats(msgspec.Struct, frozen=True):
     host_loaded_bytes: int = 0
     host_written_bytes: int = 0
     host_load_s: float = 0.0
-    host_recomputed_tokens: int = 0  # host hits the cost model chose to recompute
+    host_recomputed_tokens: int = 0  # host hits recomputed (the load did not pay, or no room)
+    host_load_bandwidth: float = 0.0  # bytes/s of a host -> device copy, measured at start
 
 
 class ServerInfo(_Msg):

@@ -905,6 +905,7 @@ class Scheduler:
             host_written_bytes=self.host_written_bytes,
             host_load_s=self.host_load_s,
             host_recomputed_tokens=self.host_recomputed_tokens,
+            host_load_bandwidth=self.load_bandwidth,
         )
 
     def server_info(self) -> ServerInfo:

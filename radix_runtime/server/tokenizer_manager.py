@@ -272,6 +272,7 @@ class TokenizerManager:
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=completion_tokens,
                 cached_tokens=out.cached_tokens,
+                host_cached_tokens=out.host_cached_tokens,
             )
             if inp.return_logprob and out.output_logprobs:
                 chunk.output_logprobs = m.unpack_floats(out.output_logprobs).tolist()

@@ -9,11 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_cache_equivalence import run
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
-
-from test_cache_equivalence import run
 
 pytestmark = pytest.mark.slow
 
