@@ -206,6 +206,7 @@ class SchedulerMetrics(_Msg):
     tree_nodes: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
     generation_tokens: int = 0
     retractions: int = 0
     evicted_pages: int = 0

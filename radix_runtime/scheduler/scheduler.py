@@ -519,7 +519,10 @@ class Scheduler:
                 req.admitted_at = time.perf_counter()
                 if self.stats is not None:
                     self.stats.admitted(
-                        len(req.prompt), match.length, req.admitted_at - req.arrived_at
+                        len(req.prompt),
+                        match.length + loaded,
+                        req.admitted_at - req.arrived_at,
+                        host_cached_tokens=loaded,
                     )
             req.slot = self.free_slots.pop()
             req.sent_pages = 0
