@@ -20,6 +20,8 @@ class ServerArgs:
     model_config: str | None = None  # JSON config for dummy weights (name or path)
     tokenizer: str | None = None  # override tokenizer source
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # quantize an unquantized checkpoint at load: none | fp8 (W8A8; worker/quant.py)
+    quantization: str = "none"
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # override the model's context length
     served_model_name: str | None = None
@@ -35,6 +37,7 @@ class ServerArgs:
     max_body_bytes: int = 32 * 1024 * 1024
     # kv cache / scheduling
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16)
     max_total_tokens: int | None = None  # KV pool capacity in tokens; None: sized from memory
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
@@ -68,6 +71,8 @@ class ServerArgs:
     kv_events_replay_endpoint: str | None = None
     # constrained decoding: threads compiling grammars in the worker (off its step loop)
     grammar_compile_threads: int = 2
+    # constrained decoding: append the tokens a grammar forces (fixed JSON keys) in one step
+    enable_jump_forward: bool = False
     # process hygiene
     log_level: str = "info"
     watchdog_timeout: float = (
@@ -139,6 +144,10 @@ class ServerArgs:
             raise ValueError("--hicache-size must be >= 0 and --hicache-ratio > 0")
         if self.hicache_write_policy not in ("write_through", "write_back"):
             raise ValueError("--hicache-write-policy must be write_through or write_back")
+        if self.quantization not in _CHOICES["quantization"]:
+            raise ValueError(f"unknown --quantization {self.quantization!r}")
+        if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
+            raise ValueError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}")
 
 
 def _flag(name: str) -> str:
@@ -148,7 +157,7 @@ def _flag(name: str) -> str:
 _HELP = {
     "model": "HF folder, GGUF file, a dummy config name, or 'default' (SmolLM2-135M-Instruct)",
     "load_format": "weights format",
-    "model_config": "config.json for --load-format dummy (a path or a shipped name: llama-3.1-8b, tiny-llama)",
+    "model_config": "config.json for --load-format dummy (a path or a shipped name: llama-3.1-8b, qwen3-8b, mistral-7b, gemma-3-12b, tiny-llama)",
     "page_size": "tokens per KV page; 1 gives token-level prefix sharing",
     "max_total_tokens": "KV pool capacity in tokens (default: sized from memory)",
     "chunked_prefill_size": "token budget of one prefill step; smaller steps let a burst's first "
@@ -179,6 +188,9 @@ _HELP = {
     "cached block and the sequence number it is valid at (default: none)",
     "disable_metrics": "no GET /metrics and no request timing (metrics are on by default; "
     "--enable-metrics is accepted for SGLang compatibility)",
+    "enable_jump_forward": "constrained decoding: where the grammar admits one continuation "
+    "(fixed JSON keys, punctuation), append its tokens and compute them in one step instead of "
+    "a decode step each (docs/structured_output.md)",
     "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
     "worker, off its step loop",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health (give it "
@@ -195,12 +207,21 @@ _HELP = {
     "hicache_ratio": "host tier size as a multiple of the device KV pool (when --hicache-size is 0)",
     "hicache_write_policy": "write_through: copy KV to the host as soon as it is cached (eviction "
     "is then free); write_back: copy it when it is evicted from the device",
+    "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
+    "per-output-channel scales and FP8 activations with per-token dynamic scales "
+    "(docs/quantization.md); quantized checkpoints (FP8, AWQ, GPTQ) are recognised from their "
+    "config and need no flag",
+    "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
+    "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "
+    "memory; docs/quantization.md)",
 }
 
 _CHOICES = {
     "load_format": ["auto", "gguf", "safetensors", "dummy"],
     "schedule_policy": ["lpm", "dfs-weight", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "quantization": ["none", "fp8"],
+    "kv_cache_dtype": ["auto", "fp8_e4m3"],
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],

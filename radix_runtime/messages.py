@@ -169,6 +169,19 @@ class CacheStats(msgspec.Struct, frozen=True):
     host_load_bandwidth: float = 0.0  # bytes/s of a host -> device copy, measured at start
 
 
+class GrammarStats(msgspec.Struct, frozen=True):
+    """Constrained decoding since start: requests with a grammar, how many found it compiled
+    (the scheduler's cache of what the worker compiled), and the worker's compile times."""
+
+    requests: int = 0
+    cache_hits: int = 0
+    compiles: int = 0
+    failed: int = 0
+    compile_p50_s: float = 0.0
+    compile_p99_s: float = 0.0
+    compile_max_s: float = 0.0
+
+
 class ServerInfo(_Msg):
     cache: CacheStats
     running_requests: int
@@ -178,8 +191,13 @@ class ServerInfo(_Msg):
     context_length: int
     vocab_size: int
     decode_steps: int = 0
+    steps: int = 0  # forward steps sent to the worker
+    jumped_tokens: int = 0  # output tokens appended by jump-forward decoding
+    grammar: GrammarStats | None = None
     retractions: int = 0
     integrity_checks: int = 0
+    kv_cache_dtype: str = ""  # the KV pool's element type (fp8_e4m3 holds twice bf16's tokens)
+    quantization: str = "none"  # the weights' format
 
 
 class MetricsReq(_Msg):
@@ -255,6 +273,9 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     # prompt logprobs for positions [prompt_logprob_start, ...) gained this step
     prompt_logprob_start: int = -1
     prompt_logprobs: bytes = b""
+    # with top_logprobs_num = k > 0: the top-k ids and logprobs of each of those positions
+    prompt_top_ids: bytes = b""
+    prompt_top_logprobs: bytes = b""
     error: str | None = None
     error_code: str | None = None
 
@@ -338,10 +359,16 @@ class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     # constrained: the grammar ended with next_id (it accepted a stop token), or next_id broke it
     grammar_done: bool = False
     grammar_error: str | None = None
+    # --enable-jump-forward: tokens the grammar forces after next_id (already accepted by its
+    # matcher): outputs that the next step computes in one go instead of a decode step each
+    jump_ids: bytes = b""  # int32
     logprob: float = 0.0
     top_ids: bytes = b""
     top_logprobs: bytes = b""
     prompt_logprobs: bytes = b""  # float32, one per input position whose target is known
+    # with top_logprobs_num = k > 0: k per such position (echo of prompt logprobs)
+    prompt_top_ids: bytes = b""  # int32
+    prompt_top_logprobs: bytes = b""  # float32
 
 
 class ForwardResult(_Msg):
@@ -382,6 +409,8 @@ class WorkerReady(_Msg):
     host_num_pages: int = 0
     kv_bytes_per_token: int = 0
     load_bandwidth: float = 0.0
+    kv_cache_dtype: str = ""  # the KV pool's element type: bfloat16, float32, fp8_e4m3...
+    quantization: str = "none"  # the weights': none | fp8 | awq | gptq (worker/quant.py)
 
 
 Message = Union[

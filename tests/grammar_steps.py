@@ -18,7 +18,7 @@ EOS = 2
 
 @functools.cache
 def grammar_cache():
-    from radix_runtime.grammar.compiler import GrammarCache, tokenizer_info
+    from radix_runtime.grammar.compiler import GrammarCache
     from radix_runtime.model_source import ModelNotFound
     from radix_runtime.tokenizer import byte_tokenizer, load_tokenizer
 
@@ -26,7 +26,7 @@ def grammar_cache():
         tokenizer = load_tokenizer("default")
     except ModelNotFound:  # a machine without the embedded model (the H200)
         tokenizer = byte_tokenizer()
-    cache = GrammarCache(lambda: tokenizer_info(tokenizer, tokenizer.vocab_size, [EOS]))
+    cache = GrammarCache(lambda: tokenizer, tokenizer.vocab_size, [EOS])
     return tokenizer, cache
 
 
@@ -78,7 +78,7 @@ def run_constrained(device: torch.device, steps: int = 24) -> tuple[list[str], l
         sampler.note_sampled(live, step, host, None)
         for i, slot in enumerate(list(live)):
             outputs[slot].append(int(host[i]))
-            done, error = sampler.grammar_status(slot, step)
+            done, error, _ = sampler.grammar_status(slot, step)
             assert error is None, error
             if done:
                 live.remove(slot)

@@ -298,3 +298,66 @@ def test_constrained_greedy_cache_overlap_and_retraction(runner_factory, kind):
         for rid, text in texts.items():
             if len(off[rid]) < 24:
                 assert json.loads(text)["kind"] in ("a", "b")
+
+
+LONG_KEYS = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 16},
+        "customer_age_in_years": {"type": "integer", "minimum": 0, "maximum": 120},
+        "preferred_contact_method": {"enum": ["email", "phone"]},
+    },
+    "required": ["customer_full_name", "customer_age_in_years", "preferred_contact_method"],
+}
+
+
+def test_jump_forward_valid_fewer_steps_and_cache_equivalent(runner_factory):
+    """--enable-jump-forward on the real model: the forced keys are appended without a decode
+    step each (fewer steps), outputs still validate, and cache on == off, overlap on == off."""
+    import jsonschema
+
+    from radix_runtime.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    base = ServerArgs(
+        model="default",
+        page_size=1,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        max_running_requests=8,
+        device="cpu",
+        radix_tree_impl="python",
+        disable_overlap_schedule=True,
+    )
+    runner = runner_factory(base)
+    questions = ["Describe a customer as JSON.", "Invent a customer record as JSON."]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+    sampling = m.SamplingParams(
+        max_new_tokens=64, temperature=0.0, json_schema=json.dumps(LONG_KEYS)
+    )
+    arrivals = [0] * len(prompts)
+    plain, plain_sched = run(runner, base, prompts, sampling, arrivals)
+    jump_args = base.replace(enable_jump_forward=True)
+    runner.sampler.jump_forward = True  # the runner is shared: its flag follows the run's args
+    try:
+        jumped, sched = run(runner, jump_args, prompts, sampling, arrivals)
+        off, _ = run(
+            runner, jump_args.replace(disable_radix_cache=True), prompts, sampling, arrivals
+        )
+        ahead, _ = run(
+            runner, jump_args.replace(disable_overlap_schedule=False), prompts, sampling, arrivals
+        )
+    finally:
+        runner.sampler.jump_forward = False
+    assert jumped == off == ahead
+    for outputs in (plain, jumped):
+        for ids in outputs.values():
+            jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), LONG_KEYS)
+    assert sched.jumped_tokens >= 2 * 10
+    assert sched.step_id < plain_sched.step_id

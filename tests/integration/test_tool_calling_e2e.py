@@ -85,8 +85,35 @@ def as_calls(message) -> list[dict]:
     ]
 
 
-def test_auto_stream_reassembles_to_the_non_stream_reply(client, model):
-    kw = dict(model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=16)
+def _past_call(city: str, i: int) -> dict:
+    args = json.dumps({"city": city, "unit": "celsius"})
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": args},
+            }
+        ],
+    }
+
+
+# earlier turns where the assistant called the tool: the 135M model follows the pattern
+FEW_SHOT = [
+    turn
+    for i, city in enumerate(["Paris", "Berlin", "Madrid"])
+    for turn in (
+        {"role": "user", "content": f"What is the weather in {city}?"},
+        _past_call(city, i),
+    )
+] + [{"role": "user", "content": "What is the weather in Rome?"}]
+
+
+@pytest.mark.parametrize("messages, max_tokens", [(FEW_SHOT, 48), (ASK, 16)], ids=["calls", "text"])
+def test_auto_stream_reassembles_to_the_non_stream_reply(client, model, messages, max_tokens):
+    kw = dict(model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=max_tokens)
     whole = client.chat.completions.create(**kw).choices[0]
     content, calls, finish = reassemble(client.chat.completions.create(stream=True, **kw))
     assert content == whole.message.content
@@ -94,6 +121,10 @@ def test_auto_stream_reassembles_to_the_non_stream_reply(client, model):
         (c["name"], c["arguments"]) for c in as_calls(whole.message)
     ]
     assert finish == whole.finish_reason
+    if messages is FEW_SHOT:  # the model called the tool in the hermes format, in "auto" mode
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        (call,) = as_calls(whole.message)
+        assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] == "Rome"
 
 
 def test_history_with_tool_calls_and_results_is_accepted(client, model):
@@ -216,3 +247,31 @@ def test_required_stream_reassembles(client, model):
         (c["name"], c["arguments"]) for c in as_calls(whole.message)
     ]
     assert all(c["id"].startswith("call_") for c in calls)
+
+
+@needs_grammar
+def test_a_schema_the_grammar_cannot_compile_and_a_second_constraint_are_400s(client, model):
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
+            },
+        },
+    }
+    with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):
+        client.chat.completions.create(
+            model=model, messages=ASK, tools=[bad], tool_choice="required", max_tokens=4
+        )
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+            max_tokens=4,
+        )
+    assert info.value.body["param"] == "tool_choice"

@@ -80,3 +80,68 @@ def test_clear_tokens_keeps_a_row_that_can_only_stop():
     only_stop[0] = 1 << 2
     clear_tokens(only_stop, [2, 63])
     assert bits(only_stop) == {2}  # the grammar can only stop: min_tokens gives way
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheduler's side: a request waits for its grammar without holding anything up
+
+
+def _scheduler():
+    from radix_runtime import messages as m
+    from radix_runtime.config import ServerArgs
+    from radix_runtime.scheduler.scheduler import Scheduler
+
+    ready = m.WorkerReady(
+        num_pages=256, page_size=1, context_length=512, vocab_size=1000, eos_token_ids=[2],
+        device="cpu", dtype="float32", attention_backend="torch",
+    )  # fmt: skip
+    return Scheduler(ServerArgs(max_running_requests=4), ready)
+
+
+def _req(rid: str, **sampling):
+    from radix_runtime import messages as m
+
+    return m.GenerateReq(
+        rid=rid, input_ids=m.pack_ids([5, 6, 7]), sampling=m.SamplingParams(**sampling)
+    )
+
+
+def test_scheduler_runs_others_while_a_grammar_compiles():
+    from radix_runtime import messages as m
+
+    sched = _scheduler()
+    sched.add_request(_req("slow", regex="a+"))
+    sched.add_request(_req("shared", regex="a+"))  # joins the compile in flight
+    sched.add_request(_req("free"))
+    (compile_msg,) = sched.take_worker_messages()
+    assert (compile_msg.kind, compile_msg.text) == ("regex", "a+")
+    batch, _ = sched.schedule()
+    assert [r.slot for r in batch.reqs] == [sched.reqs["free"].slot]  # not held up
+    sched.grammar_compiled(m.GrammarCompiled(kind="regex", text="a+", compile_s=0.5))
+    assert {r.rid for r in sched.waiting} == {"slow", "shared"}
+    sched.add_request(_req("later", regex="a+"))  # compiled already: straight to the queue
+    assert sched.take_worker_messages() == [] and sched.waiting[-1].rid == "later"
+    stats = sched.grammar_stats()
+    assert (stats.requests, stats.cache_hits, stats.compiles) == (3, 2, 1)
+    assert stats.compile_p50_s == 0.5
+
+
+def test_scheduler_fails_requests_of_an_invalid_grammar_and_aborts_waiting_ones():
+    from radix_runtime import messages as m
+
+    sched = _scheduler()
+    for rid in ("a", "b", "c"):
+        sched.add_request(_req(rid, ebnf="root ::= x"))
+    sched.abort("c")  # while its grammar compiles
+    outs = {o.rid: o for o in sched.take_outputs()}
+    assert outs["c"].finish_reason == "abort"
+    sched.grammar_compiled(
+        m.GrammarCompiled(kind="ebnf", text="root ::= x", error="invalid EBNF grammar: x")
+    )
+    outs = {o.rid: o for o in sched.take_outputs()}
+    assert set(outs) == {"a", "b"}
+    assert all(
+        o.error_code == "invalid_grammar" and o.finish_reason == "error" for o in outs.values()
+    )
+    assert not sched.has_work() and not sched.grammar_waiting and not sched.reqs
+    sched.check_integrity()
