@@ -168,3 +168,71 @@ def test_metrics_label_cached_tokens_by_tier():
     assert info.host_cached_tokens == sched.host_cached_tokens_total
     # 64 bytes a token here; a retracted request loads again without counting its hits again
     assert info.host_loaded_bytes >= info.host_cached_tokens * 64 > 0
+
+
+def test_kv_events_keep_host_blocks_cached_until_they_leave_both_tiers():
+    """A subscriber applying every batch holds exactly the tree's blocks in either tier: moving
+    to the host emits nothing, leaving the host emits BlockRemoved."""
+    from radix_runtime import kv_events as kv
+
+    args = ServerArgs(
+        page_size=1, max_total_tokens=96, chunked_prefill_size=32, max_running_requests=3,
+        radix_tree_impl="python", kv_events_endpoint="ipc://unused",
+        enable_hierarchical_cache=True,
+    )  # fmt: skip
+    worker = TieredFakeWorker(97, 1, 3, 161)
+    sched = Scheduler(args, worker.ready())
+    driver = Driver(sched, worker)
+    live = kv.KvIndex()
+    prompts, arrivals = conversations(n=6, rounds=3, seed=2)
+    sampling = m.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    removed = 0
+    for step in range(2000):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                sched.add_request(
+                    m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
+                )
+        driver.iteration()
+        sched.take_outputs()
+        batch = sched.kv_events.take_batch()
+        if batch is not None:
+            live.apply(kv.decode_batch(kv.encode(batch)))
+            removed += sum(isinstance(ev, kv.BlockRemoved) for ev in batch.events)
+        assert live.prefixes() == kv.tree_prefixes(sched.cache.dump(), 1), step
+        if step > max(arrivals) and not driver.busy():
+            break
+    assert sched.host_cached_tokens_total > 0 and removed > 0  # both tiers were full at times
+
+
+def test_a_load_that_does_not_pay_is_recomputed():
+    """With a link far slower than prefill the cost model recomputes host hits; outputs stay."""
+    prompts, arrivals = conversations()
+    off, _ = run(prompts, arrivals, hicache=False, disable=True)
+    original = Scheduler._observe_step
+
+    def slow_link(self, plan, result):
+        self.load_bandwidth, self.prefill_tps = 1.0, 1e9  # 1 byte/s against 1e9 tokens/s
+        original(self, plan, result)
+
+    Scheduler._observe_step = slow_link
+    try:
+        on, sched = run(prompts, arrivals, hicache=True)
+    finally:
+        Scheduler._observe_step = original
+    assert on == off
+    assert sched.host_recomputed_tokens > 0 and sched.host_cached_tokens_total == 0
+
+
+def test_a_host_pool_larger_than_memory_is_a_clear_error():
+    import pytest
+    import torch
+
+    from radix_runtime.worker.host_pool import host_pool_pages
+    from radix_runtime.worker.kv_pool import KVPool
+
+    dev = KVPool(2, 9, 1, 1, 8, torch.float32, torch.device("cpu"))
+    per_token = KVPool.bytes_per_token(2, 1, 8, torch.float32)
+    assert host_pool_pages(dev, 0.0, 2.0, per_token) == 17
+    with pytest.raises(RuntimeError, match="lower --hicache-size"):
+        host_pool_pages(dev, 1e6, 2.0, per_token)  # a petabyte

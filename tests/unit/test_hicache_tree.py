@@ -278,7 +278,7 @@ class TieredMachineWriteThroughPage4(TieredMachine):
 
 
 _settings = settings(
-    max_examples=60,
+    max_examples=40,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
