@@ -184,6 +184,8 @@ class ServerInfo(_Msg):
     grammar: GrammarStats | None = None
     retractions: int = 0
     integrity_checks: int = 0
+    kv_cache_dtype: str = ""  # the KV pool's element type (fp8_e4m3 holds twice bf16's tokens)
+    quantization: str = "none"  # the weights' format
 
 
 class MetricsReq(_Msg):
@@ -379,6 +381,8 @@ class WorkerReady(_Msg):
     device: str
     dtype: str
     attention_backend: str
+    kv_cache_dtype: str = ""  # the KV pool's element type: bfloat16, float32, fp8_e4m3...
+    quantization: str = "none"  # the weights': none | fp8 | awq | gptq (worker/quant.py)
 
 
 Message = Union[

@@ -78,6 +78,7 @@ class Scheduler:
         self.page_size = worker.page_size
         self.context_length = worker.context_length
         self.vocab_size = worker.vocab_size
+        self.kv_cache_dtype, self.quantization = worker.kv_cache_dtype, worker.quantization
         self.eos_ids = set(worker.eos_token_ids)
         self.allocator = PageAllocator(worker.num_pages)
         self.cache = make_radix_cache(
@@ -852,6 +853,8 @@ class Scheduler:
             grammar=self.grammar_stats(),
             retractions=self.retractions,
             integrity_checks=self.integrity_checks,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization,
         )
 
     def check_integrity(self) -> None:

@@ -34,7 +34,7 @@ from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.host_copy import to_device
-from radix_runtime.worker.kv_pool import KVPool, num_pages_for
+from radix_runtime.worker.kv_pool import KVPool, kv_storage_dtype, num_pages_for
 from radix_runtime.worker.loader import load_model
 from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
 
@@ -98,6 +98,8 @@ class ModelRunner:
         loaded = load_model(args, self.device, self.dtype)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.model_name = loaded.source.name
+        self.kv_scales = loaded.kv_scales  # per layer (k, v) from the checkpoint, for an FP8 pool
+        self.quantization = loaded.quantization
         self._no_grammar: list[m.GrammarCompiled] = []
         c = self.config
         self.page_size = args.page_size
@@ -225,7 +227,8 @@ class ModelRunner:
 
     def _allocate_kv_pool(self) -> KVPool:
         c, args = self.config, self.args
-        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         num_pages = num_pages_for(
             args.max_total_tokens, self.page_size, self.device, per_token, args.mem_fraction_static
         )
@@ -238,8 +241,10 @@ class ModelRunner:
             self.page_size,
             c.num_kv_heads,
             c.head_dim,
-            self.dtype,
+            kv_dtype,
             self.device,
+            act_dtype=self.dtype,
+            kv_scales=self.kv_scales if kv_dtype != self.dtype else None,
         )
 
     def ready_info(self) -> m.WorkerReady:
@@ -252,6 +257,8 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.attn.name,
+            kv_cache_dtype=self.kv_pool.kv_cache_dtype,
+            quantization=self.quantization,
         )
 
     def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
