@@ -132,6 +132,15 @@ class ServerArgs:
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
         if self.dp < 1:
             raise ValueError("--dp must be >= 1")
+        if self.dp > 1 and (
+            len(self.api_keys()) > 1 or self.api_key_file or self.cache_isolation != "none"
+        ):
+            # NOTE: the router checks one key and forwards with it: every request would reach
+            # the replicas as one tenant
+            raise ValueError(
+                "--dp > 1 takes one --api-key: several keys, --api-key-file and "
+                "--cache-isolation api-key need a router that forwards each caller's key"
+            )
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown --router-policy {self.router_policy!r}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
