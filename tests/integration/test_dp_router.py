@@ -99,7 +99,7 @@ def test_routes_through_the_router(dp):
             "/v1/chat/completions",
             json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
         )
-        assert r.status_code == 400
+        assert r.status_code == 404
         assert r.json()["error"]["code"] == "model_not_found"
         # streaming passes through, event by event
         with client.stream(
