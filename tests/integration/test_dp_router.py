@@ -101,6 +101,12 @@ def test_routes_through_the_router(dp):
         )
         assert r.status_code == 400
         assert r.json()["error"]["code"] == "model_not_found"
+        # a request without a model (the router fills in "unknown") is served
+        r = client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+        assert r.status_code == 200, r.text
         # streaming passes through, event by event
         with client.stream(
             "POST",

@@ -84,3 +84,12 @@ def test_get_load_in_sglangs_shape():
     # the router asks for the new names first
     assert client.get("/model_info").json() == client.get("/get_model_info").json()
     assert client.get("/server_info").status_code == 200
+
+
+def test_the_routers_placeholder_model_is_no_model():
+    # SGLang's router forwards a chat request without "model" with "unknown" in it
+    client = make_client(FakeManager())
+    body = {"model": "unknown", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    body["model"] = "another-model"
+    assert client.post("/v1/chat/completions", json=body).status_code == 400
