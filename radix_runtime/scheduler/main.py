@@ -31,6 +31,32 @@ class WorkerLost(RuntimeError):
     pass
 
 
+def advance(sched, inflight: tuple | None, send, finish) -> tuple[tuple | None, bool]:
+    """One turn of the step loop, the same for the scheduler process and for every test driver
+    (which pass their own transport): schedule a step when none is in flight; with one in flight
+    (`(plan, handle)`), build the next one with `Scheduler.schedule_ahead` and send it before
+    finishing the in-flight one (the overlap schedule; None there: the in-flight result is
+    processed first and the next turn schedules as usual).
+
+    `send(batch, plan) -> handle` hands a batch to the worker; `finish(plan, handle)` waits for
+    its result and processes it (`Scheduler.process_result`). Returns (what is in flight now,
+    whether a step was finished): anything still in flight was built ahead."""
+    if inflight is None:
+        scheduled = sched.schedule()
+        if scheduled is not None:
+            batch, plan = scheduled
+            inflight = (plan, send(batch, plan))
+    if inflight is None:
+        return None, False
+    ahead = sched.schedule_ahead(inflight[0])
+    following = None
+    if ahead is not None:
+        batch, plan = ahead
+        following = (plan, send(batch, plan))
+    finish(*inflight)
+    return following, True
+
+
 @dataclass
 class InFlight:
     """A step sent to the worker whose result is not processed yet."""
@@ -216,7 +242,7 @@ class SchedulerProcess:
         self.to_worker.send(m.encode(batch), copy=False)
         return InFlight(batch, plan, time.perf_counter())
 
-    def finish_step(self, step: InFlight) -> None:
+    def finish_step(self, plan: list, step: InFlight) -> None:
         """Wait for a sent step's result (the watchdog: at most --watchdog-timeout from its
         sending, after the steps before it) and process it."""
         batch, plan = step.batch, step.plan
@@ -268,23 +294,16 @@ class SchedulerProcess:
         sent the next one is built and sent before N's result is processed when that is easy
         (`Scheduler.schedule_ahead`), so the worker receives N+1 while it computes N; otherwise
         (and with --disable-overlap-schedule) N's result is processed first and the next step
-        is scheduled as usual."""
+        is scheduled as usual (`advance`)."""
         sched = self.scheduler
         checked_idle = False
-        inflight: InFlight | None = None  # sent, result not processed yet
+        inflight: tuple[list, InFlight] | None = None  # sent, result not processed yet
         while self.running:
             busy = sched.has_work() or inflight is not None
             self.drain_inputs(timeout_ms=0 if busy else 500, worker=inflight is None)
             self.send_worker_messages()
-            if inflight is None:
-                scheduled = sched.schedule()
-                if scheduled is not None:
-                    inflight = self.send_batch(*scheduled)
-            if inflight is not None:
-                ahead = sched.schedule_ahead(inflight.plan)
-                following = self.send_batch(*ahead) if ahead is not None else None
-                self.finish_step(inflight)
-                inflight = following
+            inflight, finished = advance(sched, inflight, self.send_batch, self.finish_step)
+            if finished:
                 checked_idle = False
             outputs = sched.take_outputs()
             if outputs:

@@ -22,7 +22,6 @@ from typing import Any
 
 import anyio
 import msgspec
-import uvicorn
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
@@ -655,58 +654,3 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
     if args.api_key:
         app.add_middleware(_AuthMiddleware, api_key=args.api_key)
     return app
-
-
-class _Server(uvicorn.Server):
-    """uvicorn owns SIGINT/SIGTERM while it runs; on the first one we mark the manager draining
-    (new requests get 503) and uvicorn waits up to ``drain_timeout`` for in-flight ones."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._on_exit is not None:
-            try:
-                self._on_exit()
-            except Exception:
-                logger.exception("on_exit hook failed")
-        super().handle_exit(sig, frame)
-
-
-def make_server(
-    manager: Any,
-    args: ServerArgs,
-    *,
-    lifespan: Callable | None = None,
-    on_exit: Callable[[], None] | None = None,
-) -> uvicorn.Server:
-    """A uvicorn server (not started) for ``build_app(manager, args)``. ``on_exit`` runs on the
-    first SIGINT/SIGTERM; by default it sets ``manager.draining = True``."""
-    if on_exit is None:
-
-        def on_exit() -> None:
-            manager.draining = True
-
-    config = uvicorn.Config(
-        build_app(manager, args, lifespan=lifespan),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        loop="uvloop",
-        access_log=args.log_level == "debug",
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
-        timeout_keep_alive=30,
-    )
-    return _Server(config, on_exit)
-
-
-def serve_http(
-    manager: Any,
-    args: ServerArgs,
-    *,
-    lifespan: Callable | None = None,
-    on_exit: Callable[[], None] | None = None,
-) -> None:
-    """Run the HTTP server until SIGINT/SIGTERM (blocking)."""
-    make_server(manager, args, lifespan=lifespan, on_exit=on_exit).run()

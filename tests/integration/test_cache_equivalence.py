@@ -13,6 +13,7 @@ import pytest
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.main import advance
 from radix_runtime.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.slow
@@ -40,33 +41,28 @@ def runner_factory():
 
 
 def run(runner, args: ServerArgs, prompts, sampling, arrivals):
-    """The scheduler process's loop with the runner in-process: with the overlap schedule on
-    (args.disable_overlap_schedule False) step N+1 is launched before step N is collected, its
-    decoders feeding the tokens step N sampled from the device (from_last_sample)."""
+    """The scheduler process's step loop (`scheduler.main.advance`) with the runner in-process:
+    with the overlap schedule on (args.disable_overlap_schedule False) step N+1 is launched
+    before step N is collected, its decoders feeding the tokens step N sampled from the device
+    (from_last_sample)."""
     sched = Scheduler(args, runner.ready_info())
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
     step = 0
     inflight = None  # (plan, runner.launch(batch))
     ahead_steps = 0
+
+    def finish(plan, launched):
+        sched.process_result(plan, runner.collect(launched))
+
     while pending or sched.has_work() or inflight is not None:
         for i in [i for i in pending if arrivals[i] <= step]:
             sched.add_request(
                 m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
             )
             pending.remove(i)
-        if inflight is None:
-            scheduled = sched.schedule()
-            if scheduled is not None:
-                inflight = (scheduled[1], runner.launch(scheduled[0]))
-        if inflight is not None:
-            ahead = sched.schedule_ahead(inflight[0])
-            following = None
-            if ahead is not None:
-                following = (ahead[1], runner.launch(ahead[0]))
-                ahead_steps += 1
-            sched.process_result(inflight[0], runner.collect(inflight[1]))
-            inflight = following
+        inflight, _ = advance(sched, inflight, lambda batch, _plan: runner.launch(batch), finish)
+        ahead_steps += inflight is not None  # what stays in flight was built ahead
         for out in sched.take_outputs():
             assert out.error is None, out.error
             outputs[out.rid].extend(m.unpack_ids(out.new_ids).tolist())

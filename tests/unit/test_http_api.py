@@ -12,13 +12,14 @@ import time
 import httpx
 import msgspec
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.server.errors import GenerationError
-from radix_runtime.server.http_server import build_app, make_server
+from radix_runtime.server.http_server import build_app
 from radix_runtime.server.protocol import GenerateChunk, GenerateInput
 
 MODEL = "fake-model"
@@ -1044,7 +1045,10 @@ def _free_port() -> int:
 @pytest.fixture
 def live_server(manager):
     args = ServerArgs(host="127.0.0.1", port=_free_port(), log_level="warning")
-    server = make_server(manager, args)
+    config = uvicorn.Config(
+        build_app(manager, args), host=args.host, port=args.port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -1183,12 +1187,6 @@ def test_fuzz_fields_never_500(client, path, patch):
     assert resp.status_code in (200, 400), resp.text
     if resp.status_code == 400:
         assert_error(resp, 400)
-
-
-def test_signal_marks_manager_draining(manager):
-    server = make_server(manager, ServerArgs(port=_free_port()))
-    server.handle_exit(15, None)
-    assert manager.draining and server.should_exit
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.main import advance
 from radix_runtime.scheduler.scheduler import Scheduler
 
 VOCAB = 97
@@ -93,8 +94,9 @@ class FakeWorker:
 
 
 class Driver:
-    """The scheduler process's loop (scheduler/main.py) against a FakeWorker, one iteration at
-    a time: with the overlap schedule on, step N+1 is sent before N's result is processed."""
+    """The scheduler process's step loop (`scheduler.main.advance`) against a FakeWorker, one
+    turn at a time: with the overlap schedule on, step N+1 is sent before N's result is
+    processed."""
 
     def __init__(self, sched: Scheduler, worker: FakeWorker):
         self.sched, self.worker = sched, worker
@@ -104,23 +106,14 @@ class Driver:
 
     def send(self, batch, plan):
         self.trace.append([(p.req.rid, p.num_tokens) for p in plan])
-        return plan, self.worker.forward(batch)
+        return self.worker.forward(batch)
 
     def busy(self) -> bool:
         return self.sched.has_work() or self.inflight is not None
 
     def iteration(self) -> None:
-        sched = self.sched
-        if self.inflight is None:
-            scheduled = sched.schedule()
-            if scheduled is not None:
-                self.inflight = self.send(*scheduled)
-        if self.inflight is not None:
-            ahead = sched.schedule_ahead(self.inflight[0])
-            following = self.send(*ahead) if ahead is not None else None
-            self.ahead_steps += ahead is not None
-            sched.process_result(*self.inflight)
-            self.inflight = following
+        self.inflight, _ = advance(self.sched, self.inflight, self.send, self.sched.process_result)
+        self.ahead_steps += self.inflight is not None  # what stays in flight was built ahead
 
 
 def run_workload(
