@@ -560,6 +560,30 @@ def open_target(target: Target, args: argparse.Namespace) -> Iterator[str]:
         yield server.url
 
 
+def replica_split(url: str, api_key: str | None) -> list[dict] | None:
+    """Behind SGLang's router: each replica's prompt and cached tokens so far (from the router's
+    GET /workers and each replica's /get_server_info), showing how a policy spread the load;
+    None for a plain server."""
+    try:
+        r = httpx.get(url + "/workers", headers=_headers(api_key), timeout=30)
+        workers = r.json().get("workers") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(workers, list):
+        return None
+    out = []
+    for w in workers:
+        cache = get_server_info(w["url"], api_key).get("cache") or {}
+        out.append(
+            {
+                "url": w["url"],
+                "prompt_tokens": cache.get("prompt_tokens"),
+                "cached_tokens": cache.get("cached_tokens"),
+            }
+        )
+    return out
+
+
 def prepare_server(url: str, api_key: str | None, warm_ups: int = 1) -> dict:
     """Server info, after warm-up requests and an emptied cache. Behind SGLang's router
     (`serve --dp N`), /get_server_info is the router's own: the model's facts come from

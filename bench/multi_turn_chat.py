@@ -313,6 +313,8 @@ def run_targets(targets: list, opts: argparse.Namespace, config: dict) -> dict[s
             tokenizer = load_tokenizer(info) if opts.text else None
             optimal = optimal_per_turn(turns, page_size, tokenizer)
             sections[target.label] = section(turns, duration, opts.rounds, optimal) | lag
+            if info.get("router"):  # since the flush: warm-ups excluded, the trace's tokens
+                sections[target.label]["replicas"] = common.replica_split(url, opts.api_key)
             if replay is None:
                 replay = {(t.client, t.round): t.answer for t in turns if t.result.error is None}
     return sections
@@ -400,7 +402,11 @@ def print_policy_table(result: dict) -> None:
         print(f"{name:<18}{cells}")
     print()
     for key, value in result["ratios"].items():
-        print(f"{key + ':':<40}{common.fmt(value, 1, 3)}")
+        print(f"{key + ':':<44}{common.fmt(value, 1, 3)}")
+    for policy, sec in sections.items():
+        split = sec.get("replicas") or []
+        shares = ", ".join(f"{r['prompt_tokens']} ({r['cached_tokens']} cached)" for r in split)
+        print(f"{policy}: prompt tokens per replica: {shares}")
 
 
 def check_fits(longest: int, info: dict) -> None:
