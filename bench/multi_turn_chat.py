@@ -313,7 +313,7 @@ def run_targets(targets: list, opts: argparse.Namespace, config: dict) -> dict[s
             tokenizer = load_tokenizer(info) if opts.text else None
             optimal = optimal_per_turn(turns, page_size, tokenizer)
             sections[target.label] = section(turns, duration, opts.rounds, optimal) | lag
-            if info.get("router"):  # since the flush: warm-ups excluded, the trace's tokens
+            if info.get("router"):  # counted since each replica started: warm-ups included
                 sections[target.label]["replicas"] = common.replica_split(url, opts.api_key)
             if replay is None:
                 replay = {(t.client, t.round): t.answer for t in turns if t.result.error is None}

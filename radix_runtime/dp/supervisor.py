@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from radix_runtime.config import ServerArgs
-from radix_runtime.dp.router import MISSING, router_installed
+from radix_runtime.dp.router import MISSING, build_router_args, router_installed
 from radix_runtime.utils.procs import configure_logging, set_process_title, spawn_child
 
 logger = logging.getLogger("radix_runtime.dp")
@@ -251,9 +251,10 @@ class Supervisor:
                 self._spawn_replica(plan)
             if not self._wait_healthy(self.plans, STARTUP_TIMEOUT_S):
                 return False
+        settings = router_settings(args, self.plans)
         self.router = spawn_child(
             "radix_runtime.dp.router",
-            {"router": router_settings(args, self.plans)},
+            {"router": settings, "extra": args.router_args},
             new_session=True,
         )
         if not self._wait_router():
@@ -327,6 +328,11 @@ class Supervisor:
 def run_dp(args: ServerArgs) -> int:
     if not router_installed():
         print(f"radix-runtime: {MISSING}", file=sys.stderr)
+        return 2
+    try:  # a bad --router-args fails here, before anything starts
+        build_router_args(router_settings(args, []), args.router_args)
+    except ValueError as exc:
+        print(f"radix-runtime: {exc}", file=sys.stderr)
         return 2
     set_process_title("dp_supervisor")
     configure_logging(args.log_level, "dp")

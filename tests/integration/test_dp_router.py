@@ -4,6 +4,7 @@ last ones kill a replica, then stop the whole thing."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -198,6 +199,21 @@ def test_flush_cache_reaches_every_replica(dp):
     for url in urls:
         cache = replica_info(url)["cache"]
         assert cache["evictable_pages"] == 0 and cache["free_pages"] == cache["total_pages"]
+
+
+def test_multi_turn_bench_against_the_router(dp, tmp_path):
+    from bench import multi_turn_chat
+
+    out = tmp_path / "dp.json"
+    argv = ["--url", dp.url, "--api-key", KEY, "--dp", "2", "--text", "--clients", "2",
+            "--rounds", "2", "--system-tokens", "24", "--context-tokens", "8",
+            "--user-tokens", "8", "--answer-tokens", "3", "--out", str(out)]  # fmt: skip
+    assert multi_turn_chat.main(argv) == 0
+    result = json.loads(out.read_text())
+    on = result["cache_on"]
+    assert on["errors"] == 0 and on["optimal_hit_rate"] > 0
+    assert on["hit_rate"] >= 0.5 * on["optimal_hit_rate"]
+    assert len(on["replicas"]) == 2  # how the router spread the trace, per replica
 
 
 def test_client_disconnect_aborts_on_the_replica(dp):
