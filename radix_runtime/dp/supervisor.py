@@ -36,6 +36,8 @@ logger = logging.getLogger("radix_runtime.dp")
 # the router's health checks: how fast a dead replica leaves the rotation (interval x threshold)
 HEALTH_CHECK_INTERVAL_S = 2
 HEALTH_FAILURE_THRESHOLD = 2
+# cache_aware balances by queue length once loads differ by more than this (and by 1.5x)
+BALANCE_ABS_THRESHOLD = 2
 STARTUP_TIMEOUT_S = 3600.0  # like a single server: loading a large model takes long
 
 
@@ -136,6 +138,10 @@ def router_settings(args: ServerArgs, plans: list[ReplicaPlan]) -> dict:
         ),
         "prometheus_host": "127.0.0.1",
         "prometheus_port": free_port(),
+        # NOTE: sglang-router's default, 64 requests, let cache_aware send a whole shared-prefix
+        # workload to one replica (docs/scaling.md); the 1.5x relative threshold still keeps
+        # busy replicas on cache affinity
+        "balance_abs_threshold": BALANCE_ABS_THRESHOLD,
         "health_check_interval_secs": HEALTH_CHECK_INTERVAL_S,
         "health_failure_threshold": HEALTH_FAILURE_THRESHOLD,
         "health_success_threshold": 1,
