@@ -37,7 +37,7 @@ logger = logging.getLogger("radix_runtime.dp")
 HEALTH_CHECK_INTERVAL_S = 2
 HEALTH_FAILURE_THRESHOLD = 2
 # cache_aware balances by queue length once loads differ by more than this (and by 1.5x)
-BALANCE_ABS_THRESHOLD = 2
+BALANCE_ABS_THRESHOLD = 4
 STARTUP_TIMEOUT_S = 3600.0  # like a single server: loading a large model takes long
 
 

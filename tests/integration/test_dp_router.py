@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -250,10 +251,29 @@ def test_killing_a_replica_keeps_requests_succeeding(dp):
     assert re.search(r"replica \d \(" + re.escape(victim) + r"\) exited", dp.log())
 
 
-def test_sigterm_stops_every_process(dp):
+def test_sigterm_drains_then_stops_every_process(dp):
     children = psutil.Process(dp.proc.pid).children(recursive=True)
     assert any("router" in " ".join(p.cmdline()) for p in children)
-    dp.proc.send_signal(signal.SIGTERM)
+    alive = [url for url, pid in replicas(dp).items() if psutil.pid_exists(pid)]
+    result = {}
+
+    def generate() -> None:
+        with dp.client() as client:
+            body = {"text": "Once upon a time", "sampling_params": {
+                "max_new_tokens": 24, "ignore_eos": True}}  # fmt: skip
+            result["response"] = client.post("/generate", json=body)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not any(replica_info(u)["running_requests"] for u in alive):
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.1)
+    dp.proc.send_signal(signal.SIGTERM)  # while the request runs: it finishes, then all stop
+    thread.join(60)
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["meta_info"]["completion_tokens"] == 24
     assert dp.proc.wait(60) == 0
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, alive

@@ -53,7 +53,7 @@ def test_router_settings():
     assert settings["worker_urls"] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     assert (settings["host"], settings["port"]) == ("0.0.0.0", 8000)
     assert settings["policy"] == "round_robin" and settings["api_key"] == "k"
-    assert settings["balance_abs_threshold"] == 2  # not the router's 64: docs/scaling.md
+    assert settings["balance_abs_threshold"] == 4  # not the router's 64: docs/scaling.md
     router_args = pytest.importorskip("sglang_router.router_args")
     router_args.RouterArgs(**settings)  # every key is one of the router's fields
 
