@@ -95,6 +95,7 @@ setup(
             "hypothesis",
             "ruff",
             "openai>=1.0",
+            "jsonschema",
             "httpx",
             "transformers",
             "matplotlib",

@@ -118,6 +118,9 @@ class GenerateReq(_Msg):
     # >= 0: also return the logprob of every prompt token at positions >= this index
     # (the prefix match is capped so those positions are computed, not read from the cache)
     logprob_start_len: int = -1
+    # the radix tree namespace the request shares cached KV in ("": the public one); set by the
+    # tokenizer process from the cache salt and/or the caller's API key, never sent raw
+    cache_namespace: str = ""
 
 
 class AbortReq(_Msg):
@@ -154,6 +157,19 @@ class CacheStats(msgspec.Struct, frozen=True):
     tree: str = ""  # the radix tree implementation in use: "cpp" or "python"
 
 
+class GrammarStats(msgspec.Struct, frozen=True):
+    """Constrained decoding since start: requests with a grammar, how many found it compiled
+    (the scheduler's cache of what the worker compiled), and the worker's compile times."""
+
+    requests: int = 0
+    cache_hits: int = 0
+    compiles: int = 0
+    failed: int = 0
+    compile_p50_s: float = 0.0
+    compile_p99_s: float = 0.0
+    compile_max_s: float = 0.0
+
+
 class ServerInfo(_Msg):
     cache: CacheStats
     running_requests: int
@@ -163,6 +179,9 @@ class ServerInfo(_Msg):
     context_length: int
     vocab_size: int
     decode_steps: int = 0
+    steps: int = 0  # forward steps sent to the worker
+    jumped_tokens: int = 0  # output tokens appended by jump-forward decoding
+    grammar: GrammarStats | None = None
     retractions: int = 0
     integrity_checks: int = 0
 
@@ -238,6 +257,9 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     # prompt logprobs for positions [prompt_logprob_start, ...) gained this step
     prompt_logprob_start: int = -1
     prompt_logprobs: bytes = b""
+    # with top_logprobs_num = k > 0: the top-k ids and logprobs of each of those positions
+    prompt_top_ids: bytes = b""
+    prompt_top_logprobs: bytes = b""
     error: str | None = None
     error_code: str | None = None
 
@@ -313,10 +335,16 @@ class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     # constrained: the grammar ended with next_id (it accepted a stop token), or next_id broke it
     grammar_done: bool = False
     grammar_error: str | None = None
+    # --enable-jump-forward: tokens the grammar forces after next_id (already accepted by its
+    # matcher): outputs that the next step computes in one go instead of a decode step each
+    jump_ids: bytes = b""  # int32
     logprob: float = 0.0
     top_ids: bytes = b""
     top_logprobs: bytes = b""
     prompt_logprobs: bytes = b""  # float32, one per input position whose target is known
+    # with top_logprobs_num = k > 0: k per such position (echo of prompt logprobs)
+    prompt_top_ids: bytes = b""  # int32
+    prompt_top_logprobs: bytes = b""  # float32
 
 
 class ForwardResult(_Msg):

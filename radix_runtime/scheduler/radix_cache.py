@@ -18,6 +18,16 @@ Lifecycle of a request's pages, as the scheduler drives it:
 The tree never frees pages on insert: pages that someone else cached in the meantime are the
 caller's duplicates (one place frees pages: the caller).
 
+Namespaces (cache salts, tenants): a prefix is shared only inside its namespace. The public
+namespace (None) is the root itself; every other namespace is a *namespace node* directly under
+the root, with no tokens and no pages, filed in the root's children under its name (a str, so it
+can never equal a token key, which is bytes). A match or insert in namespace `ns` starts its walk
+at that node, so a salted prefix can never be reached from another namespace, not even for the
+first token. Namespace nodes are ordinary nodes to everything else: locks run through them to the
+root, the one LRU heap holds them (an emptied one is dropped like any unlocked leaf, freeing no
+pages), and check_integrity walks them as part of the one tree. A host-memory tier would hang off
+the same nodes (a node knowing where its KV lives); namespaces need nothing from it.
+
 LRU: a monotonic counter (not wall time, so runs are deterministic) stamps every node on the
 path of a match or insert. Eviction takes the least recently used *unlocked leaf* from a heap
 of evictable leaves with lazy deletion: an entry is live only while its node is still an
@@ -50,6 +60,7 @@ class TreeNode:
         "last_access",
         "id",
         "heap_time",
+        "namespace",
     )
 
     def __init__(self, key_bytes: bytes, pages: np.ndarray, parent: TreeNode | None, node_id: int):
@@ -65,8 +76,15 @@ class TreeNode:
         self.id = node_id  # LRU tie-break, and a stable name in debug dumps
         # NOTE: `last_access` of this node's newest entry in the evictable-leaf heap, -1 if none.
         self.heap_time = -1
+        # the namespace's name for a namespace node (a child of the root), else None
+        self.namespace: str | None = None
 
     def __repr__(self) -> str:
+        if self.namespace is not None:
+            return (
+                f"TreeNode(id={self.id}, namespace={self.namespace!r}, "
+                f"lock_ref={self.lock_ref}, last_access={self.last_access})"
+            )
         return (
             f"TreeNode(id={self.id}, tokens={len(self.key)}, pages={len(self.pages)}, "
             f"lock_ref={self.lock_ref}, last_access={self.last_access})"
@@ -145,22 +163,53 @@ class RadixCache:
         """The children-dict key of an edge: the bytes of its first token / first page."""
         return key_bytes[: self._key_step]
 
-    def match_prefix(self, tokens) -> MatchResult:
-        """Longest cached page-aligned prefix of `tokens`. Refreshes LRU on the path and splits
-        the last node when the match ends inside its edge, so `node` ends exactly at `length`."""
+    def _slot(self, node: TreeNode) -> bytes | str:
+        """The key `node` is filed under in its parent's children."""
+        if node.namespace is not None:
+            return node.namespace
+        return node.key_bytes[: self._key_step]
+
+    def _namespace_node(self, namespace: str | None, create: bool) -> TreeNode | None:
+        """Where a walk in `namespace` starts: the root for the public namespace, else the
+        namespace's node (made when `create`; None when it does not exist)."""
+        if namespace is None:
+            return self.root
+        if not isinstance(namespace, str):
+            raise TypeError(f"a namespace is a str or None, got {type(namespace).__name__}")
+        node = self.root.children.get(namespace)
+        if node is None and create:
+            node = TreeNode(b"", _EMPTY, self.root, next(self._ids))
+            node.namespace = namespace
+            self.root.children[namespace] = node
+            self._num_nodes += 1
+        return node
+
+    def _tick_root(self) -> None:
+        """What a walk that finds no namespace node does: one clock tick, the root stamped."""
+        self._clock += 1
+        self.root.last_access = self._clock
+
+    def match_prefix(self, tokens, namespace: str | None = None) -> MatchResult:
+        """Longest cached page-aligned prefix of `tokens` in `namespace` (None: the public one).
+        Refreshes LRU on the path and splits the last node when the match ends inside its edge,
+        so `node` ends exactly at `length`."""
         if self.disable:
             return MatchResult(_EMPTY, 0, self.root)
         tokens = _as_tokens(tokens)
-        node, length, pages, _ = self._walk(tokens, len(tokens) // self.page_size)
+        start = self._namespace_node(namespace, create=False)
+        if start is None:
+            self._tick_root()
+            return MatchResult(_EMPTY, 0, self.root)
+        node, length, pages, _ = self._walk(tokens, len(tokens) // self.page_size, start)
         self._push_if_evictable_leaf(node)
         if not pages:
             return MatchResult(_EMPTY, 0, node)
         return MatchResult(_join(pages), length, node)
 
-    def insert(self, tokens, pages) -> InsertResult:
+    def insert(self, tokens, pages, namespace: str | None = None) -> InsertResult:
         """Cache the page-aligned part of `tokens` whose KV is in `pages`
-        (len(pages) == len(tokens) // page_size). Takes ownership of the pages past the
-        already-cached prefix; returns that prefix's length. Never frees pages."""
+        (len(pages) == len(tokens) // page_size) in `namespace`. Takes ownership of the pages
+        past the already-cached prefix; returns that prefix's length. Never frees pages."""
         tokens = _as_tokens(tokens)
         pages = np.asarray(pages, dtype=np.int32).reshape(-1)
         ps = self.page_size
@@ -169,7 +218,12 @@ class RadixCache:
             raise ValueError(f"{len(tokens)} tokens need {num_pages} pages, got {len(pages)}")
         if self.disable:
             return InsertResult(num_pages * ps, self.root)  # all "duplicates": the caller frees
-        node, prefix_len, _, query = self._walk(tokens, num_pages)
+        # NOTE: an empty insert does not make a namespace node (it would hold nothing)
+        start = self._namespace_node(namespace, create=num_pages > 0)
+        if start is None:
+            self._tick_root()
+            return InsertResult(0, self.root)
+        node, prefix_len, _, query = self._walk(tokens, num_pages, start)
         if prefix_len < num_pages * ps:
             new_pages = pages[prefix_len // ps :].copy()
             new_pages.flags.writeable = False
@@ -182,15 +236,17 @@ class RadixCache:
         self._push_if_evictable_leaf(node)
         return InsertResult(prefix_len, node)
 
-    def _walk(self, tokens: np.ndarray, num_pages: int):
-        """Follow the first `num_pages` pages of `tokens` down the tree, stamping the path with a
-        new clock value and splitting the last edge if the match ends inside it.
+    def _walk(self, tokens: np.ndarray, num_pages: int, start: TreeNode):
+        """Follow the first `num_pages` pages of `tokens` down the tree from `start` (the root or
+        a namespace node), stamping the path with a new clock value and splitting the last edge
+        if the match ends inside it.
         Returns (deepest node, matched tokens, pages per matched edge, the query's bytes)."""
         ps = self.page_size
         step = self._key_step
         self._clock += 1
         now = self._clock
-        node = self.root
+        self.root.last_access = now
+        node = start
         node.last_access = now
         pages: list[np.ndarray] = []
         # NOTE: positions are byte offsets into `query` (4 bytes a token): whole-edge compares
@@ -317,7 +373,7 @@ class RadixCache:
             if not self._entry_is_live(t, node):
                 continue
             parent = node.parent
-            del parent.children[self._child_key(node.key_bytes)]
+            del parent.children[self._slot(node)]
             node.parent = None
             self._num_nodes -= 1
             self._evictable -= len(node.pages)
@@ -380,12 +436,17 @@ class RadixCache:
             name = repr(node)
             assert parent is not None, f"{name} in the tree has no parent"
             assert node.key.dtype == np.int32 and node.pages.dtype == np.int32, f"{name} dtype"
-            assert len(node.key) > 0, f"empty non-root node {name}"
+            if node.namespace is not None:
+                assert parent is root, f"namespace node {name} is not a child of the root"
+                assert len(node.key) == 0 and len(node.pages) == 0, f"{name} holds tokens"
+                assert root.children.get(node.namespace) is node, f"{name} not under its name"
+            else:
+                assert len(node.key) > 0, f"empty non-root node {name}"
+                assert parent.children.get(self._child_key(node.key_bytes)) is node, (
+                    f"{name} is not under its first {'token' if ps == 1 else 'page'} in its parent"
+                )
             assert len(node.key) % ps == 0, f"{name} key is not page-aligned"
             assert len(node.pages) == len(node.key) // ps, f"{name} pages/key length mismatch"
-            assert parent.children.get(self._child_key(node.key_bytes)) is node, (
-                f"{name} is not under its first {'token' if ps == 1 else 'page'} in its parent"
-            )
             assert node.key.tobytes() == node.key_bytes, f"{name} key and key_bytes differ"
             assert node.lock_ref >= 0, f"{name} negative lock_ref"
             assert node.last_access <= parent.last_access, f"{name} accessed after its parent"
@@ -420,15 +481,25 @@ class RadixCache:
         )
 
     def dump(self) -> list[tuple]:
-        """The state as plain data: (id, parent id, tokens, pages, lock_ref, last_access) per node,
-        sorted by id. Two trees driven alike dump equal (the C++ twin's differential test).
+        """The state as plain data: (id, parent id, tokens, pages, lock_ref, last_access, namespace)
+        per node (namespace: the name of a namespace node, else None), sorted by id. Two trees driven alike dump equal (the C++ twin's differential test).
         Works on any tree with this node interface (CppRadixCache reuses it)."""
         out = []
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             key, pages = tuple(node.key.tolist()), tuple(node.pages.tolist())
-            out.append((node.id, node.parent.id, key, pages, node.lock_ref, node.last_access))
+            out.append(
+                (
+                    node.id,
+                    node.parent.id,
+                    key,
+                    pages,
+                    node.lock_ref,
+                    node.last_access,
+                    node.namespace,
+                )
+            )
             stack.extend(node.children.values())
         return sorted(out)
 
@@ -438,11 +509,17 @@ class RadixCache:
         while stack:
             node, depth = stack.pop()
             more = "..." if len(node.key) > max_tokens else ""
-            lines.append(
-                f"{'  ' * depth}#{node.id} {node.key[:max_tokens].tolist()}{more} "
-                f"({len(node.key)} tok) pages={node.pages[:4].tolist()}"
-                f"{'...' if len(node.pages) > 4 else ''} lock={node.lock_ref} t={node.last_access}"
-            )
+            if node.namespace is not None:
+                lines.append(
+                    f"{'  ' * depth}#{node.id} namespace {node.namespace!r} "
+                    f"lock={node.lock_ref} t={node.last_access}"
+                )
+            else:
+                lines.append(
+                    f"{'  ' * depth}#{node.id} {node.key[:max_tokens].tolist()}{more} "
+                    f"({len(node.key)} tok) pages={node.pages[:4].tolist()}"
+                    f"{'...' if len(node.pages) > 4 else ''} lock={node.lock_ref} t={node.last_access}"
+                )
             stack.extend(
                 (c, depth + 1) for c in sorted(node.children.values(), key=lambda c: -c.id)
             )

@@ -32,6 +32,14 @@ from radix_runtime.scheduler.radix_cache import (
     check_page_ownership,
 )
 
+if not hasattr(_radix_tree.TreeNode, "namespace"):
+    # NOTE: a copy built from older sources takes no namespace argument; refusing it here makes
+    # `--radix-tree-impl auto` fall back to the Python tree (with a warning) instead of failing
+    raise ImportError(
+        "the C++ radix tree extension predates cache namespaces: rebuild it "
+        "(`python setup.py build_ext --inplace`)"
+    )
+
 TreeNode = _radix_tree.TreeNode
 # The twin of allocator.PageAllocator (same interface, same LIFO order, same checks and errors):
 # evictions free thousands of pages at a time, which the numpy allocator checks slower than the
@@ -108,12 +116,12 @@ class CppRadixCache:
 
     # ---- match / insert ----
 
-    def match_prefix(self, tokens) -> MatchResult:
+    def match_prefix(self, tokens, namespace: str | None = None) -> MatchResult:
         if self.disable:
             return MatchResult(_EMPTY, 0, self._tree.root)
-        return self._tree.match_prefix(tokens)
+        return self._tree.match_prefix(tokens, namespace)
 
-    def insert(self, tokens, pages) -> InsertResult:
+    def insert(self, tokens, pages, namespace: str | None = None) -> InsertResult:
         if self.disable:  # all "duplicates": the caller frees them
             tokens = _as_tokens(tokens)
             num_pages = len(tokens) // self.page_size
@@ -122,7 +130,7 @@ class CppRadixCache:
                     f"{len(tokens)} tokens need {num_pages} pages, got {np.asarray(pages).size}"
                 )
             return InsertResult(num_pages * self.page_size, self._tree.root)
-        return self._tree.insert(tokens, pages)
+        return self._tree.insert(tokens, pages, namespace)
 
     # ---- locks ----
 

@@ -89,6 +89,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    namespace: str | None = None  # the radix tree namespace it shares KV in (None: public)
 
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +36,7 @@ from radix_runtime.messages import (
     ForwardResult,
     GenerateReq,
     GrammarCompiled,
+    GrammarStats,
     ReqOutput,
     ServerInfo,
     WorkerReady,
@@ -95,12 +96,15 @@ class Scheduler:
         self.grammar_waiting: dict[tuple[str, str], list[Req]] = {}
         self.known_grammars: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.worker_outbox: list[CompileGrammar] = []  # sent to the worker before the next step
+        self.grammar_requests = self.grammar_hits = self.grammar_compiles = self.grammar_failed = 0
+        self.compile_times: deque[float] = deque(maxlen=1000)  # the latest compiles (seconds)
         self.step_id = 0
         self.arrivals = 0
         # statistics
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.decode_steps = 0
+        self.jumped_tokens = 0  # output tokens appended by jump-forward (no decode step each)
         self.retractions = 0
         self.integrity_checks = 0
         # /metrics: increments since the last report (none with --disable-metrics)
@@ -147,17 +151,22 @@ class Scheduler:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            namespace=msg.cache_namespace or None,
             arrived_at=time.perf_counter(),
         )
         self.arrivals += 1
         self.reqs[req.rid] = req
         key = msg.sampling.grammar
+        if key is not None:
+            self.grammar_requests += 1
         if key is None or key in self.known_grammars:
             if key is not None:
                 self.known_grammars.move_to_end(key)
+                self.grammar_hits += 1
             self.waiting.append(req)
-        elif key in self.grammar_waiting:
+        elif key in self.grammar_waiting:  # compiling now: no compile of its own either
             self.grammar_waiting[key].append(req)
+            self.grammar_hits += 1
         else:
             self.grammar_waiting[key] = [req]
             self.worker_outbox.append(CompileGrammar(kind=key[0], text=key[1]))
@@ -166,7 +175,11 @@ class Scheduler:
         """The worker compiled a grammar: its requests may run, or fail (an invalid grammar)."""
         key = (msg.kind, msg.text)
         reqs = self.grammar_waiting.pop(key, [])
+        if not msg.cache_hit:
+            self.grammar_compiles += 1
+            self.compile_times.append(msg.compile_s)
         if msg.error is not None:
+            self.grammar_failed += 1
             for req in reqs:
                 if self.reqs.get(req.rid) is req:
                     out = self._finish(req, "error")
@@ -319,6 +332,7 @@ class Scheduler:
                 if (
                     len(req.output_ids) + 1 >= req.sampling.max_new_tokens
                     or req.all_len + 1 >= self.context_length
+                    or self._may_jump(req)  # its next tokens are not known: it sits N+1 out
                 ):
                     finishing.add(id(req))
             elif req.prefill_only and req.kv_len + p.num_tokens >= req.all_len:
@@ -484,15 +498,18 @@ class Scheduler:
 
     def _match(self, req: Req):
         """Longest cached prefix within `_match_limit`."""
-        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)))
+        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)), req.namespace)
 
     def _shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
-        of `computing` that it could match once they are cached (so waiting pays off)."""
+        of `computing` that it could match once they are cached (so waiting pays off): only one
+        in its own cache namespace, whose prefix it will be able to match."""
         if self.cache.disable:
             return False
         limit = self._match_limit(req)
         for other in computing:
+            if other.namespace != req.namespace:
+                continue
             n = min(len(req.prompt), len(other.prompt), limit)
             if n - cached < IN_BATCH_SHARE_THRESHOLD:
                 continue
@@ -541,6 +558,15 @@ class Scheduler:
         req.sent_pages = len(req.pages)
         return fr
 
+    def _may_jump(self, req: Req) -> bool:
+        """Whether the worker may append jump-forward tokens to this request's next token."""
+        return (
+            self.args.enable_jump_forward
+            and req.sampling.grammar is not None
+            and not req.return_logprob
+            and req.top_logprobs_num == 0
+        )
+
     @staticmethod
     def _counts_outputs(sp) -> bool:
         """Whether the worker needs a retracted request's earlier outputs: penalties count them,
@@ -574,6 +600,10 @@ class Scheduler:
                 if keep < len(lps):
                     out.prompt_logprob_start = first + keep
                     out.prompt_logprobs = pack_floats(lps[keep:])
+                    if res.prompt_top_ids:  # k per position
+                        k = req.top_logprobs_num
+                        out.prompt_top_ids = res.prompt_top_ids[4 * k * keep :]
+                        out.prompt_top_logprobs = res.prompt_top_logprobs[4 * k * keep :]
                     has_news = True
             if p.sample:
                 token = int(res.next_id)
@@ -582,12 +612,22 @@ class Scheduler:
                     self.stats.generation_tokens += 1
                     if len(req.output_ids) == 1:
                         self.stats.first_token(time.perf_counter() - req.admitted_at)
-                out.new_ids = pack_ids([token])
                 if req.return_logprob:
                     out.output_logprobs = pack_floats([res.logprob])
                     out.top_ids, out.top_logprobs = res.top_ids, res.top_logprobs
                 has_news = True
                 reason = self._finish_reason(req, token, res)
+                new_ids = [token]
+                if reason is None and res.jump_ids:
+                    # jump-forward: tokens the grammar forces; the next step computes them
+                    for forced in unpack_ids(res.jump_ids).tolist():
+                        req.output_ids.append(forced)
+                        new_ids.append(forced)
+                        reason = self._finish_reason(req, forced)
+                        if reason is not None:
+                            break
+                    self.jumped_tokens += len(new_ids) - 1
+                out.new_ids = pack_ids(new_ids)
                 if reason is not None:
                     self.running.remove(req)
                     self._release(req)
@@ -677,11 +717,13 @@ class Scheduler:
         if n_pages <= req.tree_pages:
             return
         ids = req.ids_slice(0, aligned)
-        res = self.cache.insert(ids, req.pages[:n_pages])
+        res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
         if self.kv_events is not None:
-            self.kv_events.stored(req.rid, ids, res.prefix_len, req.pages[:n_pages])
+            self.kv_events.stored(
+                req.rid, ids, res.prefix_len, req.pages[:n_pages], namespace=req.namespace
+            )
         dup_hi = res.prefix_len // self.page_size
-        match = self.cache.match_prefix(ids)
+        match = self.cache.match_prefix(ids, req.namespace)
         assert match.length == aligned, (match.length, aligned)
         if dup_hi > req.tree_pages:
             # someone else cached these tokens first: use their pages, free ours
@@ -699,10 +741,12 @@ class Scheduler:
             aligned = req.kv_len // self.page_size * self.page_size
             n_pages = aligned // self.page_size
             ids = req.ids_slice(0, aligned)
-            res = self.cache.insert(ids, req.pages[:n_pages])
+            res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
             if self.kv_events is not None:
                 pages = req.pages[:n_pages]
-                self.kv_events.stored(req.rid, ids, res.prefix_len, pages, done=True)
+                self.kv_events.stored(
+                    req.rid, ids, res.prefix_len, pages, done=True, namespace=req.namespace
+                )
             dup_hi = min(res.prefix_len // self.page_size, n_pages)
             if dup_hi > req.tree_pages:
                 self.allocator.free(req.pages[req.tree_pages : dup_hi])
@@ -775,6 +819,24 @@ class Scheduler:
             tree=self.tree_impl,
         )
 
+    def grammar_stats(self) -> GrammarStats | None:
+        if not self.grammar_requests:
+            return None
+        times = sorted(self.compile_times)
+
+        def pct(q: float) -> float:
+            return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
+
+        return GrammarStats(
+            requests=self.grammar_requests,
+            cache_hits=self.grammar_hits,
+            compiles=self.grammar_compiles,
+            failed=self.grammar_failed,
+            compile_p50_s=pct(0.5),
+            compile_p99_s=pct(0.99),
+            compile_max_s=times[-1] if times else 0.0,
+        )
+
     def server_info(self) -> ServerInfo:
         return ServerInfo(
             cache=self.cache_stats(),
@@ -785,6 +847,9 @@ class Scheduler:
             context_length=self.context_length,
             vocab_size=self.vocab_size,
             decode_steps=self.decode_steps,
+            steps=self.step_id,
+            jumped_tokens=self.jumped_tokens,
+            grammar=self.grammar_stats(),
             retractions=self.retractions,
             integrity_checks=self.integrity_checks,
         )

@@ -46,6 +46,25 @@ _REFUSED_ROPE = {
 }
 
 
+# Gemma3TextConfig's defaults (transformers), for the fields a config.json may leave out
+_GEMMA3_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+}
+
+
 class UnsupportedModel(ValueError):
     """A checkpoint whose architecture or configuration we do not implement."""
 
@@ -239,6 +258,8 @@ def config_from_hf_dict(cfg: dict[str, Any], extra_eos: list[int] | None = None)
     if family == "gemma3" and "text_config" in cfg:  # the multimodal wrapper: its text model
         eos = eos or _as_id_list(cfg["text_config"].get("eos_token_id"))
         cfg = {"model_type": "gemma3_text", **cfg["text_config"]}
+    if family == "gemma3":  # released text_configs leave some fields at transformers' defaults
+        cfg = {**_GEMMA3_DEFAULTS, **cfg}
     _check_common(cfg)
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])

@@ -118,7 +118,12 @@ class ModelRunner:
         self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
         self.grammars = self._grammar_cache(loaded.source)
         self.sampler = Sampler(
-            c.vocab_size, self.device, args.seed, list(c.eos_token_ids), self.grammars
+            c.vocab_size,
+            self.device,
+            args.seed,
+            list(c.eos_token_ids),
+            self.grammars,
+            jump_forward=args.enable_jump_forward,
         )
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
@@ -158,19 +163,23 @@ class ModelRunner:
         """Constrained decoding's compile cache; None without xgrammar or without a tokenizer
         (a constrained request then fails with a clear error)."""
         try:
-            from radix_runtime.grammar.compiler import GrammarCache, tokenizer_info
+            from radix_runtime.grammar.compiler import GrammarCache
         except ImportError:
             logger.warning("xgrammar is not installed: constrained decoding is off")
             return None
-        eos = list(self.config.eos_token_ids)
-        vocab_size = self.config.vocab_size
 
-        def make_info():
+        def load():
             from radix_runtime.tokenizer import load_tokenizer
 
-            return tokenizer_info(load_tokenizer(source), vocab_size, eos)
+            # the tokenizer the front uses (a dummy model without one: the default vocabulary)
+            return load_tokenizer(self.args.tokenizer or source)
 
-        return GrammarCache(make_info, threads=self.args.grammar_compile_threads)
+        return GrammarCache(
+            load,
+            self.config.vocab_size,
+            list(self.config.eos_token_ids),
+            threads=self.args.grammar_compile_threads,
+        )
 
     def compile_grammar(self, kind: str, text: str) -> None:
         """Start compiling a grammar (the outcome comes from `finished_compiles`)."""
@@ -288,7 +297,7 @@ class ModelRunner:
             fetch.extend(out.tensors())
         pending.prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs]
         for i in pending.prompt_rows:
-            fetch.append(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
+            fetch.extend(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
         pending.host, pending.event = self._copy_to_host(fetch)
         if sampled:  # host[0]: the sampled ids (a grammar accepts its token from there)
             self.sampler.note_sampled(slots, batch.step, pending.host[0], pending.event)
@@ -309,14 +318,26 @@ class ModelRunner:
             for j, i in enumerate(pending.sampled):
                 res = results[i]
                 res.next_id = out.next_ids[j]
-                done, error = self.sampler.grammar_status(pending.reqs[i].slot, pending.step)
+                req = pending.reqs[i]
+                # no jump-forward for logprob requests: forced tokens have no model logprob
+                jump = not req.return_logprob and req.top_logprobs_num == 0
+                done, error, forced = self.sampler.grammar_status(req.slot, pending.step, jump)
                 res.grammar_done, res.grammar_error = done, error
+                if forced:
+                    res.jump_ids = m.pack_ids(forced)
                 res.logprob = out.logprobs[j]
                 if pending.reqs[i].top_logprobs_num > 0:
                     res.top_ids = m.pack_ids(out.top_ids[j])
                     res.top_logprobs = m.pack_floats(out.top_logprobs[j])
-        for i, lps in zip(pending.prompt_rows or [], host[used:]):
+        for i in pending.prompt_rows or []:
+            lps = host[used]
             results[i].prompt_logprobs = m.pack_floats(lps.numpy().astype(np.float32))
+            used += 1
+            if pending.reqs[i].top_logprobs_num > 0:  # and the top-k of each position
+                top_vals, top_idx = host[used], host[used + 1]
+                results[i].prompt_top_logprobs = m.pack_floats(top_vals.numpy().reshape(-1))
+                results[i].prompt_top_ids = m.pack_ids(top_idx.numpy().reshape(-1))
+                used += 2
         forward_s = time.perf_counter() - pending.t0
         return m.ForwardResult(step=pending.step, results=results, forward_s=forward_s)
 
@@ -515,13 +536,21 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, r: m.ForwardReq, ids: np.ndarray, logits: torch.Tensor
-    ) -> torch.Tensor:
-        """logprob of input_ids[1:] (and next_token when known), each given everything before it
-        (float32, on the device)."""
+    ) -> list[torch.Tensor]:
+        """[logprob of input_ids[1:] (and next_token when known), each given everything before
+        it], and with r.top_logprobs_num = k > 0 also the top-k logprobs and ids of each of those
+        positions ([n, k] float32 and int32) (on the device)."""
         targets = ids[1:].astype(np.int64)
         if r.next_token >= 0:
             targets = np.append(targets, r.next_token)
+        k = r.top_logprobs_num
         if len(targets) == 0:
-            return torch.zeros(0, dtype=torch.float32, device=self.device)
+            empty = torch.zeros(0, dtype=torch.float32, device=self.device)
+            return [empty] if k <= 0 else [empty, empty.view(0, k), empty.view(0, k).int()]
         t = to_device(targets, torch.long, self.device)
-        return target_logprobs(logits[: len(targets)], t).float()
+        rows = logits[: len(targets)]
+        out = [target_logprobs(rows, t).float()]
+        if k > 0:
+            top = torch.log_softmax(rows.float(), dim=-1).topk(k, dim=-1)
+            out += [top.values, top.indices.int()]
+        return out

@@ -300,12 +300,3 @@ def fuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, to
     for target, parts in shards.items():
         fused[target] = torch.cat([parts[s] for s in _shards_of(target)])
     return fused
-
-
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Allocate the parameters uninitialised on `device` (no init kernels, no CPU detour)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype)
-    model = model.to_empty(device=device)
-    model.requires_grad_(False)
-    return model.eval()
