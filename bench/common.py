@@ -487,7 +487,10 @@ class LaunchedServer:
                     f"the server exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # --dp: the router answers /health once it listens, /readiness once it has
+                # a replica to send to
+                path = "/readiness" if "--dp" in self.cmd else "/health"
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return self
             time.sleep(0.3)
         self.stop()

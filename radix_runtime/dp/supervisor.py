@@ -131,7 +131,7 @@ def router_settings(args: ServerArgs, plans: list[ReplicaPlan]) -> dict:
         "port": args.port,
         "policy": args.router_policy,
         # NOTE: the router sends its own key to the replicas too: one key for both sides
-        "api_key": args.api_key,
+        "api_key": args.api_keys()[0] if args.api_keys() else None,
         # the router logs every request at info: its info is our debug
         "log_level": {"debug": "info", "info": "warn", "warning": "warn"}.get(
             args.log_level, args.log_level
@@ -305,17 +305,28 @@ class Supervisor:
         """Take a dead replica out of the rotation now: the router's health checks would take
         HEALTH_CHECK_INTERVAL_S x HEALTH_FAILURE_THRESHOLD, and it does not retry a request
         whose connection was refused."""
-        headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
+        keys = self.args.api_keys()
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         base = self._router_url()
+
+        def listed(client: httpx.Client) -> list[dict]:
+            resp = client.get(base + "/workers")
+            resp.raise_for_status()
+            return [w for w in resp.json().get("workers", []) if w.get("url") == url]
+
         try:
             with httpx.Client(timeout=5, headers=headers) as client:
-                for worker in client.get(base + "/workers").json().get("workers", []):
-                    if worker.get("url") == url:
-                        client.delete(f"{base}/workers/{worker['id']}").raise_for_status()
+                for worker in listed(client):
+                    client.delete(f"{base}/workers/{worker['id']}").raise_for_status()
+                deadline = time.monotonic() + 5  # the router removes it in the background
+                while listed(client) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not listed(client):
+                    logger.info("removed %s from the router", url)
+                    return
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            logger.warning(
-                "could not remove %s from the router (%s); its health checks will", url, exc
-            )
+            logger.warning("could not remove %s from the router: %s", url, exc)
+        logger.warning("the router's health checks will take %s out of rotation", url)
 
     def shutdown(self) -> None:
         sig = self.stop_signal if self.stop_signal is not None else signal.SIGTERM
@@ -334,6 +345,14 @@ class Supervisor:
 def run_dp(args: ServerArgs) -> int:
     if not router_installed():
         print(f"radix-runtime: {MISSING}", file=sys.stderr)
+        return 2
+    if len(args.api_keys()) > 1 or args.api_key_file:
+        print(
+            "radix-runtime: --dp takes one --api-key: SGLang's router checks a single key and "
+            "sends it to the replicas (for several keys or tenants, run the router yourself "
+            "in front of replicas started without --dp: docs/scaling.md)",
+            file=sys.stderr,
+        )
         return 2
     try:  # a bad --router-args fails here, before anything starts
         build_router_args(router_settings(args, []), args.router_args)

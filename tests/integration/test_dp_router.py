@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 pytest.importorskip("sglang_router.router", reason="needs radix_runtime[router] (sglang-router)")
+pytestmark = pytest.mark.slow  # one --dp 2 server: ~60-75 s on an idle 2-core machine
 
 import radix_runtime as rr  # noqa: E402
 from radix_runtime import kv_events as kv  # noqa: E402
@@ -50,6 +51,14 @@ def dp(tmp_path_factory):
         "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
     )  # fmt: skip
+    # the router answers /health as soon as it listens; /readiness once it has both replicas
+    deadline = time.monotonic() + 60
+    while True:
+        r = httpx.get(handle.url + "/readiness", timeout=5)
+        if r.status_code == 200 and r.json().get("healthy_workers") == 2:
+            break
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
     handle.kv_endpoints = [
         (f"tcp://127.0.0.1:{events + i}", f"tcp://127.0.0.1:{replay + i}") for i in range(2)
     ]
@@ -101,7 +110,7 @@ def test_routes_through_the_router(dp):
             "/v1/chat/completions",
             json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
         )
-        assert r.status_code == 400
+        assert r.status_code == 404
         assert r.json()["error"]["code"] == "model_not_found"
         # a request without a model (the router fills in "unknown") is served
         r = client.post(
@@ -243,6 +252,12 @@ def test_killing_a_replica_keeps_requests_succeeding(dp):
         victim = max(by_url, key=lambda u: replica_info(u)["cache"]["evictable_pages"])
         psutil.Process(by_url[victim]).send_signal(signal.SIGKILL)
         psutil.Process(by_url[victim]).wait(30)
+        # the supervisor notices within 0.2 s and takes it out of the router (in between, a
+        # request routed to it fails: the router does not retry a refused connection)
+        deadline = time.monotonic() + 30
+        while f"removed {victim} from the router" not in dp.log():
+            assert time.monotonic() < deadline, dp.log()
+            time.sleep(0.1)
         turns = conversation(client, "Hal", 3)  # the router moves Hal to the survivor
         assert turns[2][1] >= turns[1][0], turns
         for _ in range(4):

@@ -93,7 +93,7 @@ def test_the_routers_placeholder_model_is_no_model():
     body = {"model": "unknown", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     body["model"] = "another-model"
-    assert client.post("/v1/chat/completions", json=body).status_code == 400
+    assert client.post("/v1/chat/completions", json=body).status_code == 404
 
 
 def test_router_args_go_on_top_of_the_supervisors():
@@ -108,6 +108,14 @@ def test_router_args_go_on_top_of_the_supervisors():
     assert built.worker_urls == settings["worker_urls"] and built.port == 8000
     with pytest.raises(ValueError, match="--router-args"):
         build_router_args(settings, "--no-such-flag 1")
+
+
+def test_dp_takes_one_api_key(capsys, monkeypatch):
+    monkeypatch.setattr(sup, "router_installed", lambda: True)
+    settings = sup.router_settings(ServerArgs(dp=2, api_key=["only"]), [])
+    assert settings["api_key"] == "only"
+    assert sup.run_dp(ServerArgs(dp=2, api_key=["a", "b"])) == 2
+    assert "one --api-key" in capsys.readouterr().err
 
 
 def test_bad_router_args_fail_before_anything_starts(capsys):
