@@ -106,6 +106,7 @@ class RequestResult:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from a host tier (native API only)
     output_ids: list[int] = field(default_factory=list)
     output_tokens: int = 0
     text: str = ""
@@ -347,6 +348,7 @@ async def stream_generate(
         meta = event.get("meta_info") or {}
         result.prompt_tokens = meta.get("prompt_tokens", len(input_ids))
         result.cached_tokens = meta.get("cached_tokens", 0)
+        result.host_cached_tokens = meta.get("host_cached_tokens", 0)
         return new
 
     return await _timed(client, base_url + "/generate", body, t0, on_event)

@@ -20,6 +20,8 @@ class ServerArgs:
     model_config: str | None = None  # JSON config for dummy weights (name or path)
     tokenizer: str | None = None  # override tokenizer source
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # quantize an unquantized checkpoint at load: none | fp8 (W8A8; worker/quant.py)
+    quantization: str = "none"
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # override the model's context length
     served_model_name: str | None = None
@@ -35,6 +37,7 @@ class ServerArgs:
     max_body_bytes: int = 32 * 1024 * 1024
     # kv cache / scheduling
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16)
     max_total_tokens: int | None = None  # KV pool capacity in tokens; None: sized from memory
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
@@ -46,6 +49,11 @@ class ServerArgs:
     # one step ahead: the next batch is built and sent while the worker computes this one
     disable_overlap_schedule: bool = False
     radix_tree_impl: str = "auto"  # auto | cpp | python
+    # the host-memory tier under the radix tree (docs/hicache.md)
+    enable_hierarchical_cache: bool = False
+    hicache_size: float = 0.0  # GB of host memory for it; 0: --hicache-ratio of the device pool
+    hicache_ratio: float = 2.0
+    hicache_write_policy: str = "write_through"  # write_through | write_back
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
@@ -125,6 +133,15 @@ class ServerArgs:
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
         if self.dp < 1:
             raise ValueError("--dp must be >= 1")
+        if self.dp > 1 and (
+            len(self.api_keys()) > 1 or self.api_key_file or self.cache_isolation != "none"
+        ):
+            # NOTE: the router checks one key and forwards with it: every request would reach
+            # the replicas as one tenant
+            raise ValueError(
+                "--dp > 1 takes one --api-key: several keys, --api-key-file and "
+                "--cache-isolation api-key need a router that forwards each caller's key"
+            )
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown --router-policy {self.router_policy!r}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
@@ -133,6 +150,14 @@ class ServerArgs:
             raise ValueError("--grammar-compile-threads must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.hicache_size < 0 or self.hicache_ratio <= 0:
+            raise ValueError("--hicache-size must be >= 0 and --hicache-ratio > 0")
+        if self.hicache_write_policy not in ("write_through", "write_back"):
+            raise ValueError("--hicache-write-policy must be write_through or write_back")
+        if self.quantization not in _CHOICES["quantization"]:
+            raise ValueError(f"unknown --quantization {self.quantization!r}")
+        if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
+            raise ValueError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}")
 
 
 def _flag(name: str) -> str:
@@ -188,15 +213,31 @@ _HELP = {
     "API key's tenant (whatever cache_salt they send); none: with the same cache_salt "
     "(docs/tenancy.md)",
     "disable_docs": "do not serve /openapi.json and /docs",
+    "enable_hierarchical_cache": "keep KV evicted from the device pool in a host-memory pool and "
+    "load it back instead of recomputing it (docs/hicache.md)",
+    "hicache_size": "GB of host memory for the host tier (0: --hicache-ratio of the device pool)",
+    "hicache_ratio": "host tier size as a multiple of the device KV pool (when --hicache-size is 0)",
+    "hicache_write_policy": "write_through: copy KV to the host as soon as it is cached (eviction "
+    "is then free); write_back: copy it when it is evicted from the device",
+    "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
+    "per-output-channel scales and FP8 activations with per-token dynamic scales "
+    "(docs/quantization.md); quantized checkpoints (FP8, AWQ, GPTQ) are recognised from their "
+    "config and need no flag",
+    "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
+    "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "
+    "memory; docs/quantization.md)",
 }
 
 _CHOICES = {
     "load_format": ["auto", "gguf", "safetensors", "dummy"],
     "schedule_policy": ["lpm", "dfs-weight", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "quantization": ["none", "fp8"],
+    "kv_cache_dtype": ["auto", "fp8_e4m3"],
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],
+    "hicache_write_policy": ["write_through", "write_back"],
     "tool_call_parser": ["auto", "hermes", "llama3"],
     "router_policy": list(ROUTER_POLICIES),
     "cache_isolation": ["none", "api-key"],

@@ -184,6 +184,25 @@ class KvEventLog:
         if hashes:
             self.pending.append(BlockRemoved(hashes))
 
+    def tier_moved(self, kind: str, src: np.ndarray, dst: np.ndarray | None) -> None:
+        """The host tier moved KV (RadixCache.set_tier_observer). A block on the host only is
+        still cached (a match reaches it; it is loaded back), so moving between the tiers emits
+        nothing: the mirror only re-keys the block from its device page to its host page
+        (host page q is kept as -(q + 1)) and back. A block leaves the cache, with a
+        BlockRemoved, when it leaves the host as well ("evicted_host")."""
+        if kind == "evicted_host":
+            self.evicted(-np.asarray(src, dtype=np.int64) - 1)
+            return
+        if kind == "offloaded":
+            old, new = np.asarray(src).tolist(), (-np.asarray(dst, np.int64) - 1).tolist()
+        else:  # "loaded"
+            old, new = (-np.asarray(src, np.int64) - 1).tolist(), np.asarray(dst).tolist()
+        for a, b in zip(old, new):
+            h = self.by_page.pop(a, None)
+            if h is not None:
+                self.by_page[b] = h
+                self.blocks[h].page = b
+
     def flushed(self, removed_from: int) -> None:
         """A flush ran; the events from index `removed_from` of `pending` are its removals.
         Emptied: they become one AllBlocksCleared."""

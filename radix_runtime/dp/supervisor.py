@@ -131,7 +131,7 @@ def router_settings(args: ServerArgs, plans: list[ReplicaPlan]) -> dict:
         "port": args.port,
         "policy": args.router_policy,
         # NOTE: the router sends its own key to the replicas too: one key for both sides
-        "api_key": args.api_keys()[0] if args.api_keys() else None,
+        "api_key": (args.api_keys() or [None])[0],  # one at most with --dp (validate())
         # the router logs every request at info: its info is our debug
         "log_level": {"debug": "info", "info": "warn", "warning": "warn"}.get(
             args.log_level, args.log_level

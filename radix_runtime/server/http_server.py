@@ -40,6 +40,7 @@ from radix_runtime.server.errors import (
 from radix_runtime.server.observability import install_observability_routes
 from radix_runtime.server.openapi import install_openapi, route_openapi
 from radix_runtime.server.tenancy import Tenant, cache_namespace, find_tenant, load_tenants
+from radix_runtime.server.tokenize_routes import install_tokenize_routes
 from radix_runtime.server.tools import (
     ToolPlan,
     history_for_template,
@@ -728,6 +729,7 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         return json_response({"status": "ok"})
 
     app.add_api_route("/health_generate", api.health_generate, methods=["GET"])
+    install_tokenize_routes(app, api)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -79,6 +79,7 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier (docs/hicache.md)
     output_logprobs: list[float] = []  # one per id in ``ids`` (when return_logprob)
     output_top_logprobs: list[list[tuple[int, float]]] | None = None  # per id: [(id, logprob)]
     prompt_logprobs: list[float] | None = None
@@ -704,6 +705,7 @@ class ChoiceState:
         "matched_stop",
         "completion_tokens",
         "cached_tokens",
+        "host_cached_tokens",
     )
 
     def __init__(self, index: int, rid: str, input_ids: list[int]) -> None:
@@ -720,6 +722,7 @@ class ChoiceState:
         self.matched_stop: int | str | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.host_cached_tokens = 0
 
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.text:
@@ -736,6 +739,7 @@ class ChoiceState:
             self.matched_stop = chunk.matched_stop
         self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens, len(self.ids))
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self.host_cached_tokens = max(self.host_cached_tokens, chunk.host_cached_tokens)
 
     @property
     def full_text(self) -> str:
@@ -859,6 +863,9 @@ def native_output(state: ChoiceState, inp: GenerateInput) -> dict:
         "prompt_tokens": state.prompt_tokens,
         "completion_tokens": state.completion_tokens,
         "cached_tokens": state.cached_tokens,
+        # the prefix's tiers: device_cached_tokens + host_cached_tokens == cached_tokens
+        "device_cached_tokens": state.cached_tokens - state.host_cached_tokens,
+        "host_cached_tokens": state.host_cached_tokens,
         "finish_reason": _finish_info(state),
     }
     if inp.return_logprob:

@@ -177,3 +177,19 @@ def test_disable_docs():
     client = make_client(FakeManager(), disable_docs=True)
     assert client.get("/openapi.json").status_code == 404
     assert client.get("/docs").status_code == 404
+
+
+# ---- vLLM's tokenizer endpoints (lm-evaluation-harness finds and uses them)
+
+
+def test_tokenize_detokenize_and_tokenizer_info():
+    client = make_client(FakeManager())
+    resp = client.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False})
+    assert resp.json() == {"count": 2, "max_model_len": 64, "tokens": [97, 98]}
+    assert client.post("/tokenize", json={"prompt": "ab"}).json()["tokens"] == [1, 97, 98]
+    assert client.post("/detokenize", json={"tokens": [97, 98]}).json() == {"prompt": "ab"}
+    assert_error(client.post("/detokenize", json={"tokens": [5000]}), 400, param="tokens[0]")
+    assert_error(client.post("/tokenize", json={"prompt": 3}), 400, param="prompt")
+    err = client.post("/tokenize", json={"prompt": "a", "model": "other"})
+    assert_error(err, 404, code="model_not_found")
+    assert client.get("/tokenizer_info").status_code == 200

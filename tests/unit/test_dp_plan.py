@@ -122,3 +122,12 @@ def test_bad_router_args_fail_before_anything_starts(capsys):
     pytest.importorskip("sglang_router.router_args")
     assert sup.run_dp(ServerArgs(dp=2, router_args="--no-such-flag 1")) == 2
     assert "--router-args" in capsys.readouterr().err
+
+
+def test_router_gets_the_one_key_and_refuses_tenants():
+    args = ServerArgs(dp=2, port=8000, api_key=["k"])  # as argparse gives it
+    plans = sup.plan_replicas(args, [], [0, 1], [1, 2])
+    assert sup.router_settings(args, plans)["api_key"] == "k"
+    for bad in ({"api_key": ["a", "b"]}, {"api_key": "a", "cache_isolation": "api-key"}):
+        with pytest.raises(ValueError, match="one --api-key"):
+            ServerArgs(dp=2, **bad).validate()
