@@ -346,14 +346,6 @@ def run_dp(args: ServerArgs) -> int:
     if not router_installed():
         print(f"radix-runtime: {MISSING}", file=sys.stderr)
         return 2
-    if len(args.api_keys()) > 1 or args.api_key_file:
-        print(
-            "radix-runtime: --dp takes one --api-key: SGLang's router checks a single key and "
-            "sends it to the replicas (for several keys or tenants, run the router yourself "
-            "in front of replicas started without --dp: docs/scaling.md)",
-            file=sys.stderr,
-        )
-        return 2
     try:  # a bad --router-args fails here, before anything starts
         build_router_args(router_settings(args, []), args.router_args)
     except ValueError as exc:

@@ -110,14 +110,6 @@ def test_router_args_go_on_top_of_the_supervisors():
         build_router_args(settings, "--no-such-flag 1")
 
 
-def test_dp_takes_one_api_key(capsys, monkeypatch):
-    monkeypatch.setattr(sup, "router_installed", lambda: True)
-    settings = sup.router_settings(ServerArgs(dp=2, api_key=["only"]), [])
-    assert settings["api_key"] == "only"
-    assert sup.run_dp(ServerArgs(dp=2, api_key=["a", "b"])) == 2
-    assert "one --api-key" in capsys.readouterr().err
-
-
 def test_bad_router_args_fail_before_anything_starts(capsys):
     pytest.importorskip("sglang_router.router_args")
     assert sup.run_dp(ServerArgs(dp=2, router_args="--no-such-flag 1")) == 2
