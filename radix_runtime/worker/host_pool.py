@@ -97,8 +97,9 @@ class HostKVPool:
         load_dst: np.ndarray,
         writes_block: bool,
     ):
-        """A batch's copies, before its model runs: writes, then loads. Returns what `load_time`
-        reads (CUDA: the load's timing events; CPU: its seconds)."""
+        """A batch's copies, before its model runs: writes, then loads (called for every step,
+        copies or not). Returns what `load_time` reads (CUDA: the load's timing events and its
+        host gather's seconds; CPU: its seconds)."""
         self._check(write_src, write_dst, load_src, load_dst)
         if not self.cuda:
             if len(write_src):
@@ -128,9 +129,9 @@ class HostKVPool:
             return 0.0
         if isinstance(handle, float):
             return handle
-        start, end = handle
+        start, end, gather_s = handle
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return gather_s + start.elapsed_time(end) / 1e3
 
     def _check(self, *arrays: np.ndarray) -> None:
         ws, wd, ls, ld = arrays
@@ -197,8 +198,12 @@ class HostKVPool:
             self._pending_writes.pop(0)
 
     def _load_async(self, src: np.ndarray, dst: np.ndarray, compute):
+        t0 = time.perf_counter()
         self._drain_writes(wait=True)  # a page loaded may have been written just now
-        staged = self.buffer[:, :, torch.from_numpy(src.astype(np.int64))].pin_memory()
+        b = self.buffer
+        staged = torch.empty((*b.shape[:2], len(src), *b.shape[3:]), dtype=b.dtype, pin_memory=True)
+        torch.index_select(b, 2, torch.from_numpy(src.astype(np.int64)), out=staged)
+        gather_s = time.perf_counter() - t0  # counted in the load's time: the host's share
         dst_t = torch.from_numpy(dst.astype(np.int64)).pin_memory()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
@@ -208,7 +213,7 @@ class HostKVPool:
             self._scatter_device(dst_t.to(self.dev.device, non_blocking=True), pages)
             end.record(self.stream)
         compute.wait_event(end)
-        return start, end
+        return start, end, gather_s
 
     def synchronize(self) -> None:
         """Every queued copy done and scattered (tests, shutdown)."""

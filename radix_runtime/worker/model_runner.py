@@ -305,7 +305,9 @@ class ModelRunner:
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
-        if batch.write_src or batch.load_src:
+        if batch.write_src or batch.load_src or self.host_pool is not None:
+            # NOTE: with a host tier every step goes through it, copies or not: it also waits
+            # for the previous batch's writes (their device pages may be reused now)
             pending.load = self._host_copies(batch)
         if not batch.reqs:
             return pending

@@ -236,3 +236,19 @@ def test_a_host_pool_larger_than_memory_is_a_clear_error():
     assert host_pool_pages(dev, 0.0, 2.0, per_token) == 17
     with pytest.raises(RuntimeError, match="lower --hicache-size"):
         host_pool_pages(dev, 1e6, 2.0, per_token)  # a petabyte
+
+
+def test_generate_meta_info_splits_cached_tokens_by_tier():
+    from radix_runtime.server import protocol as P
+
+    inp = P.GenerateInput(rid="r", input_ids=[5, 6, 7, 8], sampling=m.SamplingParams())
+    state = P.ChoiceState(0, "r", [5, 6, 7, 8])
+    state.add(
+        P.GenerateChunk(ids=[9], cached_tokens=3, host_cached_tokens=2, finish_reason="length")
+    )
+    meta = P.native_output(state, inp)["meta_info"]
+    assert (meta["cached_tokens"], meta["device_cached_tokens"], meta["host_cached_tokens"]) == (
+        3,
+        1,
+        2,
+    )
