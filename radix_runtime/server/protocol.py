@@ -533,8 +533,12 @@ def _response_format_schema(rf: ResponseFormat) -> str | None:
     )
 
 
+# what SGLang's router puts in a chat request that came without a model
+ROUTER_NO_MODEL = "unknown"
+
+
 def check_model(model: str | None, limits: ModelLimits) -> None:
-    if model and model != limits.model_name:
+    if model and model != limits.model_name and model != ROUTER_NO_MODEL:
         raise ApiError(
             f"the model '{model}' does not exist; this server serves '{limits.model_name}'",
             status=404,
