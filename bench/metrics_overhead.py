@@ -8,6 +8,12 @@ arm runs, /metrics is scraped every --scrape-interval seconds (Prometheus scrape
 by default; 1 s is a heavier load), so the cost of serving scrapes is in the number too. The
 result is the output tok/s ratio on/off per repeat, their median and spread; the goal is >= 0.99.
 
+On a shared, busy machine wall-clock throughput swings by tens of percent between runs, far more
+than the cost being measured. So for servers it launches, the benchmark also records the CPU
+time each server process (tokenizer/HTTP, scheduler, worker) spent per arm: the metrics code
+runs in the tokenizer and scheduler processes, and their CPU seconds per output token, on vs
+off, is the cost itself, much less sensitive to other load than tok/s.
+
     python bench/metrics_overhead.py --repeats 3 --clients 8 --rounds 4 \\
         --server-args "--max-total-tokens 65536" --out docs/results/metrics_overhead_cpu.json
 """
@@ -15,12 +21,14 @@ result is the output tok/s ratio on/off per repeat, their median and spread; the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shlex
 import statistics
 import sys
 from pathlib import Path
 
 import httpx
+import psutil
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,6 +37,37 @@ from bench import common
 from bench import multi_turn_chat as mtc
 
 ARMS = ("metrics_on", "metrics_off")
+ROLES = ("tokenizer", "scheduler", "worker")
+
+
+def role_cpu_s(pid: int | None) -> dict[str, float] | None:
+    """CPU seconds (user + system, all threads) each process of the server at `pid` has used
+    so far, by role (the processes name themselves radix_runtime::ROLE); None without a pid."""
+    if pid is None:
+        return None
+    root = psutil.Process(pid)
+    out = dict.fromkeys(ROLES, 0.0)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            title = " ".join(proc.cmdline())
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        for role in ROLES:
+            if f"radix_runtime::{role}" in title:
+                out[role] += times.user + times.system
+    return out
+
+
+@contextlib.contextmanager
+def serve(target: common.Target, opts):
+    """(url, pid): the target's URL, launching (and finally stopping) a server if it has none;
+    pid None for a server given by URL."""
+    if target.url is not None:
+        yield target.url, None
+        return
+    with common.LaunchedServer(opts.model, target.flags, timeout=opts.launch_timeout) as server:
+        yield server.url, server.proc.pid
 
 
 async def _scrape_while(url: str, api_key: str | None, interval: float, done: asyncio.Event):
@@ -83,10 +122,11 @@ def run(opts) -> dict:
     }
     config["host"] = common.host_info()
     with (
-        common.open_target(targets["metrics_on"], opts) as url_on,
-        common.open_target(targets["metrics_off"], opts) as url_off,
+        serve(targets["metrics_on"], opts) as (url_on, pid_on),
+        serve(targets["metrics_off"], opts) as (url_off, pid_off),
     ):
         urls = {"metrics_on": url_on, "metrics_off": url_off}
+        pids = {"metrics_on": pid_on, "metrics_off": pid_off}
         infos = {arm: common.prepare_server(u, opts.api_key) for arm, u in urls.items()}
         if infos["metrics_off"].get("disable_metrics") is not True:
             raise SystemExit("the metrics_off server does not run with --disable-metrics")
@@ -115,9 +155,11 @@ def run(opts) -> dict:
                 url = urls[arm]
                 if not common.flush_cache(url, opts.api_key):
                     raise SystemExit(f"{url} refused /flush_cache")
+                cpu0 = role_cpu_s(pids[arm])
                 turns, duration, lag, (scrapes, failed) = common.run_async(
                     _arm(url, trace, opts, f"{arm} #{rep}", replay, arm == "metrics_on")
                 )
+                cpu1 = role_cpu_s(pids[arm])
                 if replay is None:
                     replay = {
                         (t.client, t.round): t.answer for t in turns if t.result.error is None
@@ -125,6 +167,12 @@ def run(opts) -> dict:
                 sec = mtc.section(turns, duration, opts.rounds, None) | lag
                 sec.pop("per_round")
                 sec.update(scrapes=scrapes, scrape_failures=failed)
+                if cpu0 is not None:
+                    sec["cpu_s"] = {r: cpu1[r] - cpu0[r] for r in ROLES}
+                    front = sec["cpu_s"]["tokenizer"] + sec["cpu_s"]["scheduler"]
+                    sec["front_cpu_ms_per_output_token"] = (
+                        1e3 * front / max(sec["output_tokens"], 1)
+                    )
                 pair[arm] = sec
                 print(
                     f"repeat {rep} {arm:<12} output {sec['output_tok_s']:.1f} tok/s, "
@@ -135,6 +183,11 @@ def run(opts) -> dict:
             pair["ratio_output_tok_s"] = common.ratio(
                 pair["metrics_on"]["output_tok_s"], pair["metrics_off"]["output_tok_s"]
             )
+            if "cpu_s" in pair["metrics_on"]:
+                pair["ratio_front_cpu_per_token"] = common.ratio(
+                    pair["metrics_on"]["front_cpu_ms_per_output_token"],
+                    pair["metrics_off"]["front_cpu_ms_per_output_token"],
+                )
             pair["order"] = list(order)
             runs.append(pair)
     ratios = [r["ratio_output_tok_s"] for r in runs]
@@ -142,6 +195,15 @@ def run(opts) -> dict:
         arm: sum(r[arm]["output_tokens"] for r in runs) / sum(r[arm]["duration_s"] for r in runs)
         for arm in ARMS
     }
+    cpu = [r["ratio_front_cpu_per_token"] for r in runs if "ratio_front_cpu_per_token" in r]
+    pooled_cpu = None
+    if cpu:
+        pooled_cpu = {
+            arm: 1e3
+            * sum(r[arm]["cpu_s"]["tokenizer"] + r[arm]["cpu_s"]["scheduler"] for r in runs)
+            / sum(r[arm]["output_tokens"] for r in runs)
+            for arm in ARMS
+        }
     return {
         "provenance": common.provenance(
             "the same trace against a server with --disable-metrics, interleaved in the same run",
@@ -155,6 +217,14 @@ def run(opts) -> dict:
             "ratio_output_tok_s_max": max(ratios),
             "ratio_output_tok_s_pooled": total["metrics_on"] / total["metrics_off"],
             "output_tok_s_pooled": total,
+            # tokenizer + scheduler CPU per output token, on / off (launched servers only)
+            "ratio_front_cpu_per_token_median": statistics.median(cpu) if cpu else None,
+            "ratio_front_cpu_per_token_min": min(cpu) if cpu else None,
+            "ratio_front_cpu_per_token_max": max(cpu) if cpu else None,
+            "front_cpu_ms_per_output_token_pooled": pooled_cpu,
+            "ratio_front_cpu_per_token_pooled": (
+                pooled_cpu["metrics_on"] / pooled_cpu["metrics_off"] if pooled_cpu else None
+            ),
             "errors": sum(r[a]["errors"] for r in runs for a in ARMS),
             "scrape_failures": sum(r["metrics_on"]["scrape_failures"] for r in runs),
             "goal": ">= 0.99",
@@ -184,17 +254,36 @@ def main(argv: list[str] | None = None) -> int:
     result = run(opts)
     s = result["summary"]
     print()
-    print(f"{'repeat':<8}{'order':<26}{'on tok/s':>10}{'off tok/s':>11}{'on/off':>8}")
+    print(
+        f"{'repeat':<8}{'order':<26}{'on tok/s':>10}{'off tok/s':>11}{'on/off':>8}"
+        f"{'front CPU ms/tok on':>21}{'off':>6}{'on/off':>8}"
+    )
     for i, r in enumerate(result["runs"]):
-        print(
-            f"{i:<8}{' then '.join(r['order']):<26}{r['metrics_on']['output_tok_s']:>10.1f}"
-            f"{r['metrics_off']['output_tok_s']:>11.1f}{r['ratio_output_tok_s']:>8.3f}"
+        on, off = r["metrics_on"], r["metrics_off"]
+        line = (
+            f"{i:<8}{' then '.join(r['order']):<26}{on['output_tok_s']:>10.1f}"
+            f"{off['output_tok_s']:>11.1f}{r['ratio_output_tok_s']:>8.3f}"
         )
+        if "ratio_front_cpu_per_token" in r:
+            line += (
+                f"{on['front_cpu_ms_per_output_token']:>21.2f}"
+                f"{off['front_cpu_ms_per_output_token']:>6.2f}"
+                f"{r['ratio_front_cpu_per_token']:>8.3f}"
+            )
+        print(line)
     print(
         f"\noutput tok/s on/off: median {s['ratio_output_tok_s_median']:.3f} "
         f"(min {s['ratio_output_tok_s_min']:.3f}, max {s['ratio_output_tok_s_max']:.3f}; "
         f"pooled {s['ratio_output_tok_s_pooled']:.3f}); goal >= 0.99"
     )
+    if s["ratio_front_cpu_per_token_median"] is not None:
+        print(
+            f"tokenizer+scheduler CPU per output token on/off: median "
+            f"{s['ratio_front_cpu_per_token_median']:.3f} (min "
+            f"{s['ratio_front_cpu_per_token_min']:.3f}, max "
+            f"{s['ratio_front_cpu_per_token_max']:.3f}; pooled "
+            f"{s['ratio_front_cpu_per_token_pooled']:.3f})"
+        )
     if opts.out:
         common.write_json(opts.out, result)
     if s["errors"] or s["scrape_failures"]:
