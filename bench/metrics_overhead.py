@@ -196,8 +196,22 @@ def run(opts) -> dict:
         for arm in ARMS
     }
     cpu = [r["ratio_front_cpu_per_token"] for r in runs if "ratio_front_cpu_per_token" in r]
-    pooled_cpu = None
+    pooled_cpu = share = None
     if cpu:
+
+        def front(sec: dict) -> float:
+            return sec["cpu_s"]["tokenizer"] + sec["cpu_s"]["scheduler"]
+
+        # the CPU work metrics add (front on - front off, per token) over all the work a token
+        # costs without them (every process): what a CPU-bound server loses in tok/s
+        added = sum(
+            front(r["metrics_on"]) / r["metrics_on"]["output_tokens"]
+            - front(r["metrics_off"]) / r["metrics_off"]["output_tokens"]
+            for r in runs
+        )
+        whole = sum(sum(r["metrics_off"]["cpu_s"].values()) / r["metrics_off"]["output_tokens"]
+                    for r in runs)  # fmt: skip
+        share = added / whole
         pooled_cpu = {
             arm: 1e3
             * sum(r[arm]["cpu_s"]["tokenizer"] + r[arm]["cpu_s"]["scheduler"] for r in runs)
@@ -225,6 +239,10 @@ def run(opts) -> dict:
             "ratio_front_cpu_per_token_pooled": (
                 pooled_cpu["metrics_on"] / pooled_cpu["metrics_off"] if pooled_cpu else None
             ),
+            # added tokenizer+scheduler CPU per token / all processes' CPU per token without
+            # metrics, and the tok/s ratio that implies for a CPU-bound server
+            "metrics_cpu_share": share,
+            "cpu_bound_tok_s_ratio_estimate": 1 / (1 + share) if share is not None else None,
             "errors": sum(r[a]["errors"] for r in runs for a in ARMS),
             "scrape_failures": sum(r["metrics_on"]["scrape_failures"] for r in runs),
             "goal": ">= 0.99",
@@ -283,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['ratio_front_cpu_per_token_min']:.3f}, max "
             f"{s['ratio_front_cpu_per_token_max']:.3f}; pooled "
             f"{s['ratio_front_cpu_per_token_pooled']:.3f})"
+        )
+        print(
+            f"CPU metrics add per token / all CPU per token: {s['metrics_cpu_share']:.4f} "
+            f"-> CPU-bound tok/s ratio {s['cpu_bound_tok_s_ratio_estimate']:.4f}"
         )
     if opts.out:
         common.write_json(opts.out, result)
