@@ -121,12 +121,10 @@ def run(opts) -> dict:
         if k not in ("api_key", "out", "plot", "url_no_cache", "compare_no_cache")
     }
     config["host"] = common.host_info()
-    with (
-        serve(targets["metrics_on"], opts) as (url_on, pid_on),
-        serve(targets["metrics_off"], opts) as (url_off, pid_off),
-    ):
-        urls = {"metrics_on": url_on, "metrics_off": url_off}
-        pids = {"metrics_on": pid_on, "metrics_off": pid_off}
+    with contextlib.ExitStack() as stack:
+        urls, pids = {}, {}
+        for arm in ARMS[::-1] if opts.launch_off_first else ARMS:
+            urls[arm], pids[arm] = stack.enter_context(serve(targets[arm], opts))
         infos = {arm: common.prepare_server(u, opts.api_key) for arm, u in urls.items()}
         if infos["metrics_off"].get("disable_metrics") is not True:
             raise SystemExit("the metrics_off server does not run with --disable-metrics")
@@ -258,6 +256,11 @@ def build_parser():
     g.add_argument("--repeats", type=int, default=3, help="pairs of runs (alternating order)")
     g.add_argument(
         "--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes"
+    )
+    g.add_argument(
+        "--launch-off-first",
+        action="store_true",
+        help="launch the --disable-metrics server first (to see an effect of launch order)",
     )
     return p
 
