@@ -106,6 +106,7 @@ class RequestResult:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from a host tier (native API only)
     output_ids: list[int] = field(default_factory=list)
     output_tokens: int = 0
     text: str = ""
@@ -347,6 +348,7 @@ async def stream_generate(
         meta = event.get("meta_info") or {}
         result.prompt_tokens = meta.get("prompt_tokens", len(input_ids))
         result.cached_tokens = meta.get("cached_tokens", 0)
+        result.host_cached_tokens = meta.get("host_cached_tokens", 0)
         return new
 
     return await _timed(client, base_url + "/generate", body, t0, on_event)
@@ -658,7 +660,7 @@ def machine() -> dict:
         "gpus": len(gpus),
         "cpu_model": cpu_model(),
         "cpus": os.cpu_count(),
-        "loadavg_1m_at_start": os.getloadavg()[0],
+        "loadavg_1m_at_start": _RUN_START["loadavg"],
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
@@ -683,20 +685,35 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join([*env, "python", str(script), *argv[1:]])
 
 
+_RUN_START: dict = {"commit": None, "date": None, "loadavg": None}
+
+
+def mark_run_start() -> None:
+    """Note the commit, the time and the load as the run begins (a provenance block written at
+    the end describes the start, not the moment of writing); bench/common does it on import."""
+    from datetime import UTC, datetime
+
+    _RUN_START.update(
+        commit=git_commit(),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        loadavg=os.getloadavg()[0],
+    )
+
+
 def provenance(
     ceiling: str | dict, server_flags: Any = None, argv: Sequence[str] | None = None
 ) -> dict:
     """What every results file opens with: the commit, date, machine and exact command that
     produced it, the flags of the server(s) it measured (None for in-process benchmarks), and
     the ceiling or reference its ratios divide by."""
-    from datetime import UTC, datetime
-
-    commit, dirty = git_commit()
+    if _RUN_START["commit"] is None:  # the first call of a run that started without one
+        mark_run_start()
+    commit, dirty = _RUN_START["commit"]
     return {
         "reconstructed": False,
         "commit": commit,
         "dirty": dirty,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": _RUN_START["date"],
         "machine": machine(),
         "command": command_line(argv),
         "server_flags": server_flags,
@@ -803,3 +820,6 @@ def progress(total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+mark_run_start()

@@ -32,6 +32,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import provenance  # noqa: E402
 from radix_runtime.worker import gpu_ops  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -178,8 +179,6 @@ def main() -> None:
         del ws
         torch.cuda.empty_cache()
     result["elapsed_s"] = time.time() - t_start
-    from bench.common import provenance
-
     ceiling = "cuBLAS (F.linear) on the same shapes, in the same run; TB/s counts weight bytes read"
     result = {"provenance": provenance(ceiling), **result}
     with open(args.out, "w") as f:

@@ -307,13 +307,18 @@ def weight_bytes_per_decode_step(runner: ModelRunner) -> int:
 def prefill_flops(runner: ModelRunner, n: int, prefix: int = 0) -> float:
     """Matmul FLOPs of n new tokens after `prefix` cached ones: 2 per weight per token for the
     layers, the LM head on the last row only, and causal attention (QK^T and PV over the keys
-    each query sees)."""
+    each query sees: on a sliding-window layer, at most its window)."""
     c = runner.config
     layer_weights = sum(
         p.numel() for name, p in runner.model.named_parameters() if ".layers." in name
     )
-    keys_seen = n * prefix + n * (n + 1) / 2
-    attention = 4 * c.num_layers * c.num_heads * c.head_dim * keys_seen
+    positions = np.arange(prefix, prefix + n, dtype=np.float64)
+    windows = c.layer_windows or (0,) * c.num_layers
+    keys_seen = sum(
+        float(np.minimum(positions + 1, w).sum()) if w else float((positions + 1).sum())
+        for w in windows
+    )
+    attention = 4 * c.num_heads * c.head_dim * keys_seen
     return 2 * n * layer_weights + 2 * c.hidden_size * c.vocab_size + attention
 
 
@@ -378,6 +383,11 @@ def main() -> None:
     p.add_argument("--cached-tokens", type=int, default=7936)
     p.add_argument("--decode-batches", default="1,64,256")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument(
+        "--no-ab",
+        action="store_true",
+        help="skip the batch-1 A/B variants at the end (FlashInfer attention, unfused, cuBLAS)",
+    )
     p.add_argument(
         "--experiments",
         action="store_true",
@@ -480,7 +490,7 @@ def main() -> None:
 
     if args.experiments:
         experiments(runner, bench, results, args.context, w_bytes, copy_bps)
-    if runner.cuda_graphs is not None:
+    if runner.cuda_graphs is not None and not args.no_ab:
         # A/B in the same run: batch-1 decode with FlashInfer's decode attention instead of the
         # Triton split-KV kernel; also without the fused one-token path (the norms, adds and
         # SiLU as kernels of their own); and that with cuBLAS for every projection

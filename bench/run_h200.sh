@@ -11,6 +11,9 @@
 #   kernels    bench/gpu_kernels.py           -> $OUT/h200_gpu_kernels.json
 #   gemv       bench/gemv_sweep.py            -> $OUT/h200_gemv_sweep.json
 #   worker     bench/gpu_worker.py            -> $OUT/h200_gpu_worker.json
+#   families   tests/gpu for Qwen3 / Mistral / Gemma 3 (and the windowed and q/k-norm kernels), then
+#              bench/gpu_worker.py --model qwen3-8b, mistral-7b, gemma-3-12b
+#              -> $OUT/gpu_tests_families.txt, $OUT/h200_gpu_worker_<model>.json
 #   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
 #              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
@@ -70,6 +73,18 @@ for stage in "$@"; do
                 && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/h200_gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        families)
+            python3 -m pytest tests/gpu/test_model_families_gpu.py tests/gpu/test_kernels.py -q \
+                -p no:cacheprovider --timeout 200 -k "families or window or head_norms or gemma" \
+                2>&1 | tee "$OUT/gpu_tests_families.txt" | tail -15 || status=1
+            for model in qwen3-8b mistral-7b gemma-3-12b; do
+                batches=1,64,256
+                [ "$model" = gemma-3-12b ] && batches=1,64  # 393 KB of KV a token
+                timeout 200 python3 bench/gpu_worker.py --model "$model" --decode-batches "$batches" --no-ab \
+                    --out "$OUT/h200_gpu_worker_$model.json" \
+                    | grep -E "^(decode_bs1_roofline|decode_bs1_graph_roofline|prefill_8192_mfu|prefill_2048_mfu|decode_bs64_tok_s|weight_GB)" \
+                    || status=1
+            done ;;
         ttft)
             timeout 300 python3 bench/cached_ttft.py --model llama-3.1-8b \
                 --server-args "--load-format dummy" --prompt-tokens 8192 --new-tokens 256 \

@@ -118,6 +118,9 @@ class GenerateReq(_Msg):
     # >= 0: also return the logprob of every prompt token at positions >= this index
     # (the prefix match is capped so those positions are computed, not read from the cache)
     logprob_start_len: int = -1
+    # the radix tree namespace the request shares cached KV in ("": the public one); set by the
+    # tokenizer process from the cache salt and/or the caller's API key, never sent raw
+    cache_namespace: str = ""
 
 
 class AbortReq(_Msg):
@@ -152,6 +155,31 @@ class CacheStats(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
     prompt_tokens: int = 0
     tree: str = ""  # the radix tree implementation in use: "cpp" or "python"
+    # the host tier (all 0 without --enable-hierarchical-cache); host_cached_tokens: prompt
+    # tokens served by loading from the host (part of cached_tokens)
+    host_total_pages: int = 0
+    host_free_pages: int = 0
+    host_evictable_pages: int = 0
+    host_cached_tokens: int = 0
+    host_loads: int = 0
+    host_loaded_bytes: int = 0
+    host_written_bytes: int = 0
+    host_load_s: float = 0.0
+    host_recomputed_tokens: int = 0  # host hits recomputed (the load did not pay, or no room)
+    host_load_bandwidth: float = 0.0  # bytes/s of a host -> device copy, measured at start
+
+
+class GrammarStats(msgspec.Struct, frozen=True):
+    """Constrained decoding since start: requests with a grammar, how many found it compiled
+    (the scheduler's cache of what the worker compiled), and the worker's compile times."""
+
+    requests: int = 0
+    cache_hits: int = 0
+    compiles: int = 0
+    failed: int = 0
+    compile_p50_s: float = 0.0
+    compile_p99_s: float = 0.0
+    compile_max_s: float = 0.0
 
 
 class ServerInfo(_Msg):
@@ -163,8 +191,13 @@ class ServerInfo(_Msg):
     context_length: int
     vocab_size: int
     decode_steps: int = 0
+    steps: int = 0  # forward steps sent to the worker
+    jumped_tokens: int = 0  # output tokens appended by jump-forward decoding
+    grammar: GrammarStats | None = None
     retractions: int = 0
     integrity_checks: int = 0
+    kv_cache_dtype: str = ""  # the KV pool's element type (fp8_e4m3 holds twice bf16's tokens)
+    quantization: str = "none"  # the weights' format
 
 
 class MetricsReq(_Msg):
@@ -191,6 +224,7 @@ class SchedulerMetrics(_Msg):
     tree_nodes: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
     generation_tokens: int = 0
     retractions: int = 0
     evicted_pages: int = 0
@@ -231,6 +265,7 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     matched_stop: int | None = None  # the stop token id that ended it
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
     output_logprobs: bytes = b""  # float32, one per new id
     # top-k per new id: k ids and k logprobs each, flattened
     top_ids: bytes = b""
@@ -238,6 +273,9 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     # prompt logprobs for positions [prompt_logprob_start, ...) gained this step
     prompt_logprob_start: int = -1
     prompt_logprobs: bytes = b""
+    # with top_logprobs_num = k > 0: the top-k ids and logprobs of each of those positions
+    prompt_top_ids: bytes = b""
+    prompt_top_logprobs: bytes = b""
     error: str | None = None
     error_code: str | None = None
 
@@ -306,6 +344,14 @@ class ForwardBatch(_Msg):
     reqs: list[ForwardReq]
     # slots whose per-request worker state (seeded generator, penalty counts) can be dropped
     released_slots: list[int] = []
+    # the host KV tier (docs/hicache.md): copies the worker makes before this step's model runs,
+    # as int32 page-id buffers, one id per page: device -> host writes, then host -> device loads
+    write_src: bytes = b""
+    write_dst: bytes = b""
+    load_src: bytes = b""
+    load_dst: bytes = b""
+    # the step overwrites device pages a write of this batch reads: it waits for the writes
+    writes_block: bool = False
 
 
 class ForwardReqResult(msgspec.Struct, omit_defaults=True):
@@ -313,16 +359,23 @@ class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     # constrained: the grammar ended with next_id (it accepted a stop token), or next_id broke it
     grammar_done: bool = False
     grammar_error: str | None = None
+    # --enable-jump-forward: tokens the grammar forces after next_id (already accepted by its
+    # matcher): outputs that the next step computes in one go instead of a decode step each
+    jump_ids: bytes = b""  # int32
     logprob: float = 0.0
     top_ids: bytes = b""
     top_logprobs: bytes = b""
     prompt_logprobs: bytes = b""  # float32, one per input position whose target is known
+    # with top_logprobs_num = k > 0: k per such position (echo of prompt logprobs)
+    prompt_top_ids: bytes = b""  # int32
+    prompt_top_logprobs: bytes = b""  # float32
 
 
 class ForwardResult(_Msg):
     step: int
     results: list[ForwardReqResult]
     forward_s: float = 0.0
+    load_s: float = 0.0  # the host -> device loads of this step, as the copy stream timed them
 
 
 class CompileGrammar(_Msg):
@@ -351,6 +404,13 @@ class WorkerReady(_Msg):
     device: str
     dtype: str
     attention_backend: str
+    # the host KV tier: its pages (0: none, including the reserved page 0), bytes of KV per
+    # token, and the host-to-device copy bandwidth measured at start (bytes/s)
+    host_num_pages: int = 0
+    kv_bytes_per_token: int = 0
+    load_bandwidth: float = 0.0
+    kv_cache_dtype: str = ""  # the KV pool's element type: bfloat16, float32, fp8_e4m3...
+    quantization: str = "none"  # the weights': none | fp8 | awq | gptq (worker/quant.py)
 
 
 Message = Union[

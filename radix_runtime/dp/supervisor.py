@@ -129,7 +129,7 @@ def router_settings(args: ServerArgs, plans: list[ReplicaPlan]) -> dict:
         "port": args.port,
         "policy": args.router_policy,
         # NOTE: the router sends its own key to the replicas too: one key for both sides
-        "api_key": args.api_key,
+        "api_key": (args.api_keys() or [None])[0],  # one at most with --dp (validate())
         # the router logs every request at info: its info is our debug
         "log_level": {"debug": "info", "info": "warn", "warning": "warn"}.get(
             args.log_level, args.log_level
@@ -298,7 +298,8 @@ class Supervisor:
         """Take a dead replica out of the rotation now: the router's health checks would take
         HEALTH_CHECK_INTERVAL_S x HEALTH_FAILURE_THRESHOLD, and it does not retry a request
         whose connection was refused."""
-        headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
+        keys = self.args.api_keys()
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         base = self._router_url()
         try:
             with httpx.Client(timeout=5, headers=headers) as client:

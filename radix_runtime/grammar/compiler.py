@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import xgrammar as xgr
 
@@ -83,11 +84,18 @@ class GrammarCache:
 
     def __init__(
         self,
-        make_info: Callable[[], xgr.TokenizerInfo],
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        stop_token_ids: list[int],
         threads: int = 2,
         capacity: int = WORKER_CACHED_GRAMMARS,
     ) -> None:
-        self._make_info = make_info  # deferred: reading the vocabulary takes a second or so
+        # deferred to the first compile (on a compile thread): loading the tokenizer and reading
+        # its vocabulary takes a second or so
+        self._load_tokenizer = load_tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self.tokenizer = None
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
@@ -98,17 +106,22 @@ class GrammarCache:
         self.hits = 0
         self.misses = 0
 
+    def warm(self) -> None:
+        """Read the vocabulary now, on a compile thread, so the first grammar does not wait."""
+        self._pool.submit(self._get_compiler)
+
     @property
     def info(self) -> xgr.TokenizerInfo:
-        return self._get_compiler().tokenizer_info
+        self._get_compiler()
+        return self._info
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
+                self.tokenizer = self._load_tokenizer()
+                self._info = tokenizer_info(self.tokenizer, self._vocab_size, self._stop_token_ids)
                 # xgrammar's own cache stays off: ours is keyed the same way and bounded
-                self._compiler = xgr.GrammarCompiler(
-                    self._make_info(), max_threads=1, cache_enabled=False
-                )
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
@@ -164,6 +177,11 @@ class GrammarCache:
             return compiled
         self._cache.move_to_end(key)
         return fut.result()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens), for jump-forward."""
+        self._get_compiler()
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -66,6 +66,24 @@ class SlotGrammar:
         self.pending = None
         self.accept(int(p.host_ids[p.row]))
 
+    def jump_forward(self, encode) -> list[int]:
+        """The tokens of the only continuation the grammar admits from here (fixed JSON keys,
+        punctuation), accepted into the matcher; [] when there is none. The string is tokenized
+        on its own (`encode`), and each token must be one the mask would allow, so the text is
+        one token-by-token constrained decoding could produce. Trailing spaces are left to the
+        model: ' 42' is one token, a forced ' ' then '42' two unusual ones."""
+        if self.finished or self.pending is not None:
+            return []
+        text = self.matcher.find_jump_forward_string().rstrip(" ")
+        if not text:
+            return []
+        accepted = []
+        for token in encode(text):
+            if not self.matcher.accept_token(token):
+                break  # the rest is left to token-by-token decoding
+            accepted.append(token)
+        return accepted
+
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed tokens into bitmask[row]; False when the row needs no mask."""
         self.resolve()

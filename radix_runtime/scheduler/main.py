@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from radix_runtime import kv_events
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.scheduler.stats import SchedulerStats, cache_tree
@@ -28,6 +29,32 @@ logger = logging.getLogger("radix_runtime.scheduler")
 
 class WorkerLost(RuntimeError):
     pass
+
+
+def advance(sched, inflight: tuple | None, send, finish) -> tuple[tuple | None, bool]:
+    """One turn of the step loop, the same for the scheduler process and for every test driver
+    (which pass their own transport): schedule a step when none is in flight; with one in flight
+    (`(plan, handle)`), build the next one with `Scheduler.schedule_ahead` and send it before
+    finishing the in-flight one (the overlap schedule; None there: the in-flight result is
+    processed first and the next turn schedules as usual).
+
+    `send(batch, plan) -> handle` hands a batch to the worker; `finish(plan, handle)` waits for
+    its result and processes it (`Scheduler.process_result`). Returns (what is in flight now,
+    whether a step was finished): anything still in flight was built ahead."""
+    if inflight is None:
+        scheduled = sched.schedule()
+        if scheduled is not None:
+            batch, plan = scheduled
+            inflight = (plan, send(batch, plan))
+    if inflight is None:
+        return None, False
+    ahead = sched.schedule_ahead(inflight[0])
+    following = None
+    if ahead is not None:
+        batch, plan = ahead
+        following = (plan, send(batch, plan))
+    finish(*inflight)
+    return following, True
 
 
 @dataclass
@@ -51,6 +78,17 @@ class SchedulerProcess:
         self.to_worker = zmq_socket(self.ctx, zmq.PUSH, endpoint(ipc_dir, "worker"), bind=False)
         self.scheduler = None
         self.running = True
+        # KV-cache events (kv_events.py): a PUB socket, and a ROUTER answering snapshot requests
+        self.kv_pub = self.kv_replay = None
+        if args.kv_events_endpoint:
+            self.kv_pub = self.ctx.socket(zmq.PUB)
+            self.kv_pub.setsockopt(zmq.LINGER, 0)
+            self.kv_pub.setsockopt(zmq.SNDHWM, 100_000)  # past it a slow subscriber loses batches
+            self.kv_pub.bind(args.kv_events_endpoint)
+        if args.kv_events_replay_endpoint:
+            self.kv_replay = zmq_socket(
+                self.ctx, zmq.ROUTER, args.kv_events_replay_endpoint, bind=True
+            )
         self._last_result_at = 0.0  # when the latest step result came back (for step_time)
 
     # -- startup ---------------------------------------------------------------------------
@@ -150,7 +188,11 @@ class SchedulerProcess:
         poller.register(self.from_tok, zmq.POLLIN)
         if worker:
             poller.register(self.from_worker, zmq.POLLIN)
+        if self.kv_replay is not None:  # KV-events snapshot requests
+            poller.register(self.kv_replay, zmq.POLLIN)
         ready = dict(poller.poll(timeout_ms))
+        if self.kv_replay is not None and self.kv_replay in ready:
+            self.serve_kv_snapshots()
         if worker and self.from_worker in ready:
             while self.from_worker.poll(0):
                 msg = self._recv_worker(timeout_ms=0)
@@ -165,11 +207,38 @@ class SchedulerProcess:
                 return
             self.handle(self._decode(frame, "tokenizer"))
 
+    def publish_kv_events(self) -> None:
+        events = self.scheduler.kv_events if self.scheduler is not None else None
+        if events is None or self.kv_pub is None:
+            return
+        batch = events.take_batch()
+        if batch is not None:
+            seq = batch.seq.to_bytes(8, "big")
+            self.kv_pub.send_multipart([kv_events.TOPIC, seq, kv_events.encode(batch)])
+
+    def serve_kv_snapshots(self) -> None:
+        """Answer every snapshot request waiting on the replay socket (frames: the envelope,
+        then b"snapshot"; the reply: the envelope, seq as 8 bytes big-endian, the Snapshot)."""
+        while True:
+            try:
+                frames = self.kv_replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self.scheduler is None or self.scheduler.kv_events is None:
+                continue
+            if frames[-1] != kv_events.SNAPSHOT_REQUEST:
+                logger.warning("ignored a KV-events replay request %r", frames[-1][:32])
+                continue
+            self.publish_kv_events()  # the snapshot then covers exactly the batches sent
+            snap = self.scheduler.kv_events.snapshot()
+            seq = snap.seq.to_bytes(8, "big", signed=True)
+            self.kv_replay.send_multipart([*frames[:-1], seq, kv_events.encode(snap)])
+
     def send_batch(self, batch: m.ForwardBatch, plan) -> InFlight:
         self.to_worker.send(m.encode(batch), copy=False)
         return InFlight(batch, plan, time.perf_counter())
 
-    def finish_step(self, step: InFlight) -> None:
+    def finish_step(self, plan: list, step: InFlight) -> None:
         """Wait for a sent step's result (the watchdog: at most --watchdog-timeout from its
         sending, after the steps before it) and process it."""
         batch, plan = step.batch, step.plan
@@ -221,27 +290,21 @@ class SchedulerProcess:
         sent the next one is built and sent before N's result is processed when that is easy
         (`Scheduler.schedule_ahead`), so the worker receives N+1 while it computes N; otherwise
         (and with --disable-overlap-schedule) N's result is processed first and the next step
-        is scheduled as usual."""
+        is scheduled as usual (`advance`)."""
         sched = self.scheduler
         checked_idle = False
-        inflight: InFlight | None = None  # sent, result not processed yet
+        inflight: tuple[list, InFlight] | None = None  # sent, result not processed yet
         while self.running:
             busy = sched.has_work() or inflight is not None
             self.drain_inputs(timeout_ms=0 if busy else 500, worker=inflight is None)
             self.send_worker_messages()
-            if inflight is None:
-                scheduled = sched.schedule()
-                if scheduled is not None:
-                    inflight = self.send_batch(*scheduled)
-            if inflight is not None:
-                ahead = sched.schedule_ahead(inflight.plan)
-                following = self.send_batch(*ahead) if ahead is not None else None
-                self.finish_step(inflight)
-                inflight = following
+            inflight, finished = advance(sched, inflight, self.send_batch, self.finish_step)
+            if finished:
                 checked_idle = False
             outputs = sched.take_outputs()
             if outputs:
                 self.send_tok(m.BatchOutput(outputs=outputs))
+            self.publish_kv_events()
             if not sched.has_work() and inflight is None and not checked_idle:
                 sched.check_integrity()  # NOTE: a real check; a failure is a bug, so it is fatal
                 checked_idle = True

@@ -33,7 +33,7 @@ _ARCH_FAMILY = {"qwen3": "qwen3", "gemma3": "gemma3"}
 _GEMMA3_SWA_PATTERN = 6
 _NORM_SHIFTED_ARCHS = ("gemma3",)
 # end-of-turn markers that chat templates emit; when the template uses one, it also ends generation
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -408,6 +408,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
+def project(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """A decoder projection: `linear` for a plain layer, the layer's own forward for a
+    quantized one (worker/quant.py's Fp8Linear, which has a `weight_scale`)."""
+    if hasattr(layer, "weight_scale"):
+        return layer(x)
+    return linear(x, layer.weight, layer.bias)
+
+
 def gemv_torch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -636,14 +644,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Gemma: (1 + w) norms and the gelu(tanh)-gated MLP (FlashInfer's kernels; torch without them)
+# Gemma: (1 + w) norms (FlashInfer's, in its precompiled norm module; torch without it), the
+# sublayer-exit norm + residual add + next norm in one Triton kernel, and the gelu(tanh)-gated
+# MLP (Triton: FlashInfer's gelu kernel is not in the precompiled set, it would compile on first
+# use)
 
 try:
-    from flashinfer.activation import gelu_tanh_and_mul as _fi_gelu_tanh_and_mul
-    from flashinfer.norm import gemma_fused_add_rmsnorm as _fi_gemma_fused_add_rmsnorm
     from flashinfer.norm import gemma_rmsnorm as _fi_gemma_rmsnorm
 except ImportError:
-    _fi_gelu_tanh_and_mul = _fi_gemma_fused_add_rmsnorm = _fi_gemma_rmsnorm = None
+    _fi_gemma_rmsnorm = None
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, y_ptr, INTER, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < INTER
+    gate = tl.load(x_ptr + row * 2 * INTER + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * INTER + INTER + cols, mask=ok, other=0.0).to(tl.float32)
+    # 0.5 x (1 + tanh(y)) = x * sigmoid(2 y), y = sqrt(2 / pi) (x + 0.044715 x^3)
+    y2 = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
+    out = gate / (1.0 + tl.exp(-y2)) * up
+    tl.store(y_ptr + row * INTER + cols, out.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -658,21 +680,61 @@ def gemma_rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     return (h * (1.0 + weight.float())).to(x.dtype)
 
 
-def gemma_fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+@triton.jit
+def _gemma_norm_add_norm_kernel(
+    h_ptr, res_ptr, out_ptr, w_post_ptr, w_next_ptr, eps, HIDDEN, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < HIDDEN
+    h = tl.load(h_ptr + row * HIDDEN + cols, mask=ok, other=0.0).to(tl.float32)
+    w_post = tl.load(w_post_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    w_next = tl.load(w_next_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps) * (1.0 + w_post)
+    # the residual stream is kept in the model dtype, as the unfused path rounds it
+    normed = normed.to(res_ptr.dtype.element_ty).to(tl.float32)
+    r = tl.load(res_ptr + row * HIDDEN + cols, mask=ok, other=0.0).to(tl.float32) + normed
+    r = r.to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + row * HIDDEN + cols, r, mask=ok)
+    r = r.to(tl.float32)
+    x = r * tl.rsqrt(tl.sum(r * r, axis=0) / HIDDEN + eps) * (1.0 + w_next)
+    tl.store(out_ptr + row * HIDDEN + cols, x.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gemma_norm_add_norm(
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    w_post: torch.Tensor,
+    w_next: torch.Tensor,
+    eps: float,
 ) -> torch.Tensor:
-    """residual += x; x = gemma_rmsnorm(residual), both in place; returns x."""
-    if _fi_gemma_fused_add_rmsnorm is None:
-        residual.add_(x)
-        x.copy_(gemma_rmsnorm_torch(residual, weight, eps))
-        return x
-    _fi_gemma_fused_add_rmsnorm(x, residual, weight, eps)
-    return x
+    """Gemma's sublayer exit and the next entry in one kernel: residual += gemma_norm(h, w_post)
+    (in place); returns gemma_norm(residual, w_next)."""
+    if not (h.is_contiguous() and residual.is_contiguous()):
+        residual.add_(gemma_rmsnorm_torch(h, w_post, eps))
+        return gemma_rmsnorm_torch(residual, w_next, eps)
+    rows, hidden = h.shape
+    out = torch.empty_like(h)
+    if rows:
+        _gemma_norm_add_norm_kernel[(rows,)](
+            h, residual, out, w_post, w_next, eps, hidden,
+            BLOCK=triton.next_power_of_2(hidden), num_warps=8,
+        )  # fmt: skip
+    return out
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[N, 2I] (gate | up) -> gelu_tanh(gate) * up, [N, I]."""
-    if _fi_gelu_tanh_and_mul is None:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
-    return _fi_gelu_tanh_and_mul(x)
+    if not x.is_contiguous():
+        return gelu_tanh_and_mul_torch(x)
+    rows, inter = x.shape[0], x.shape[1] // 2
+    y = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    if rows:
+        block = 1024
+        _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, y, inter, BLOCK=block)
+    return y
+
+
+def gelu_tanh_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -53,6 +53,8 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
         time.sleep(0.2)
         raise SystemExit(2) from exc
     outbox.send(m.encode(runner.ready_info()))
+    if runner.grammars is not None:
+        runner.grammars.warm()  # in the background: the first constrained request is faster
     hang_at = int(os.environ.get(HANG_AT_STEP_ENV, "0") or 0)
 
     def fail(what: str, exc: Exception) -> None:

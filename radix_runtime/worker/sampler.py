@@ -108,11 +108,13 @@ class Sampler:
         seed: int,
         eos_token_ids: list[int] = (),
         grammars: GrammarCache | None = None,
+        jump_forward: bool = False,
     ) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.grammars = grammars  # None: constrained decoding is not available
+        self.jump_forward = jump_forward and grammars is not None
         self.slots: dict[int, SlotState] = {}
         # unseeded requests draw from one generator seeded by --seed: a server run is repeatable
         self._shared_generator = torch.Generator(device=device).manual_seed(seed)
@@ -228,13 +230,21 @@ class Sampler:
             if st.grammar is not None and not st.grammar.finished:
                 st.grammar.set_pending(step, host_ids, i, event)
 
-    def grammar_status(self, slot: int, step: int) -> tuple[bool, str | None]:
-        """(finished, error) of a slot's grammar once the token it sampled in `step` is in."""
+    def grammar_status(
+        self, slot: int, step: int, jump: bool = False
+    ) -> tuple[bool, str | None, list[int]]:
+        """(finished, error, jump-forward tokens) of a slot's grammar once the token it sampled
+        in `step` is in; with `jump` (and --enable-jump-forward) the tokens the grammar forces
+        next are appended (accepted by the matcher, counted as outputs)."""
         st = self.slots.get(slot)
         if st is None or st.grammar is None:
-            return False, None
+            return False, None, []
         st.grammar.resolve(step)
-        return st.grammar.finished, st.grammar.error
+        forced: list[int] = []
+        if jump and self.jump_forward:
+            forced = st.grammar.jump_forward(self.grammars.encode)
+            st.outputs += len(forced)
+        return st.grammar.finished, st.grammar.error, forced
 
     # ------------------------------------------------------------------------------------------
     # sampling

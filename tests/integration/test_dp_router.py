@@ -6,28 +6,51 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import time
 
 import httpx
 import psutil
 import pytest
+import zmq
 
 pytest.importorskip("sglang_router.router", reason="needs radix_runtime[router] (sglang-router)")
 
 import radix_runtime as rr  # noqa: E402
-from tests.conftest import start_server  # noqa: E402
+from radix_runtime import kv_events as kv  # noqa: E402
+from tests.conftest import free_port, start_server  # noqa: E402
 
 KEY = "dp-test-key"
 MODEL = "SmolLM2-135M-Instruct"
 
 
+def free_ports(n: int) -> int:
+    """The first of n consecutive free ports (replica i publishes on the given port + i)."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError("no consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory):
+    events, replay = free_ports(2), free_ports(2)
     handle = start_server(
         str(tmp_path_factory.mktemp("dp")),
         "--dp", "2", "--router-policy", "cache_aware", "--max-total-tokens", "4096",
         "--api-key", KEY,
+        "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
+        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
     )  # fmt: skip
+    handle.kv_endpoints = [
+        (f"tcp://127.0.0.1:{events + i}", f"tcp://127.0.0.1:{replay + i}") for i in range(2)
+    ]
     yield handle
     handle.stop(timeout=60)
 
@@ -76,7 +99,7 @@ def test_routes_through_the_router(dp):
             "/v1/chat/completions",
             json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
         )
-        assert r.status_code == 400
+        assert r.status_code == 404
         assert r.json()["error"]["code"] == "model_not_found"
         # streaming passes through, event by event
         with client.stream(
@@ -102,6 +125,61 @@ def test_conversations_stay_on_the_replica_that_holds_them(dp):
                 # previous turn holds it
                 assert prompt > prev_prompt
                 assert cached >= prev_prompt, turns
+
+
+def cached_pages(url: str) -> int:
+    cache = replica_info(url)["cache"]
+    return cache["evictable_pages"] + cache["protected_pages"]
+
+
+def test_kv_events_let_a_subscriber_index_every_replica(dp):
+    """Per replica: a subscriber that starts from a snapshot and applies the published batches
+    holds one block per cached page (page size 1), and a later snapshot equals what it built."""
+    ctx = zmq.Context()
+    try:
+        subs, indexes = [], []
+        for pub_ep, _ in dp.kv_endpoints:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, kv.TOPIC)
+            sub.connect(pub_ep)
+            subs.append(sub)
+        time.sleep(0.5)  # ZeroMQ's slow joiner: subscribed before the snapshot is taken
+        for _, replay_ep in dp.kv_endpoints:
+            index = kv.KvIndex()
+            index.load(snapshot(ctx, replay_ep))
+            indexes.append(index)
+        with dp.client() as client:
+            conversation(client, "Ivy", 2)
+        urls = list(replicas(dp))
+        for sub, index, url in zip(subs, indexes, urls):
+            deadline = time.monotonic() + 30
+            while len(index.blocks) != cached_pages(url) and time.monotonic() < deadline:
+                if sub.poll(300):
+                    _, seq, data = sub.recv_multipart()
+                    batch = kv.decode_batch(data)
+                    assert batch.seq == int.from_bytes(seq, "big")
+                    index.apply(batch)
+            assert len(index.blocks) == cached_pages(url)
+            index.prefixes()  # every block's parent is there
+        assert sum(len(index.blocks) for index in indexes) > 0
+        for index, (_, replay_ep) in zip(indexes, dp.kv_endpoints):
+            fresh = kv.KvIndex()
+            fresh.load(snapshot(ctx, replay_ep))
+            assert fresh.blocks == index.blocks
+    finally:
+        ctx.destroy(linger=0)
+
+
+def snapshot(ctx, replay_ep: str) -> kv.Snapshot:
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.RCVTIMEO, 30_000)
+    req.connect(replay_ep)
+    req.send(kv.SNAPSHOT_REQUEST)
+    seq, data = req.recv_multipart()
+    req.close(0)
+    snap = kv.decode_snapshot(data)
+    assert snap.seq == int.from_bytes(seq, "big", signed=True)
+    return snap
 
 
 def test_flush_cache_reaches_every_replica(dp):

@@ -220,8 +220,10 @@ def test_stop_matcher_equals_cutting_the_full_text(
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     emitted, stopped = _feed_all(StopMatcher(stops), deltas)
-    hits = [text.find(s) for s in stops if s in text]
+    # the stop string that completes first ends the text (the earliest end, then the earliest
+    # start), as when the text arrives a character at a time
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
     if hits:
-        assert stopped and emitted == text[: min(hits)]
+        assert stopped and emitted == text[: min(hits)[1]]
     else:
         assert not stopped and emitted == text

@@ -4,6 +4,7 @@ check that every results file carries its provenance."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -82,3 +83,22 @@ def test_every_results_file_is_cited_by_the_docs():
     docs = "".join(p.read_text() for p in doc_figures.doc_files())
     orphans = [p.name for p in sorted(RESULTS.iterdir()) if p.name not in docs]
     assert not orphans, f"results no doc cites (delete them; git keeps them): {orphans}"
+
+
+# the order work was done in lives in git, not in the manual
+CHRONOLOGY = re.compile(
+    r"session [0-9]|(first|last|final) (gpu |h200 )call\b|(first|last|final) call of|"
+    r"call [0-9]+ of|"
+    r"\bwas [0-9][0-9,.]* until\b|\bwork period [0-9]",
+    re.IGNORECASE,
+)
+
+
+def test_the_docs_tell_no_chronology():
+    hits = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in doc_figures.doc_files()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if CHRONOLOGY.search(line)
+    ]
+    assert not hits, "\n".join(hits)

@@ -84,3 +84,12 @@ def test_get_load_in_sglangs_shape():
     # the router asks for the new names first
     assert client.get("/model_info").json() == client.get("/get_model_info").json()
     assert client.get("/server_info").status_code == 200
+
+
+def test_router_gets_the_one_key_and_refuses_tenants():
+    args = ServerArgs(dp=2, port=8000, api_key=["k"])  # as argparse gives it
+    plans = sup.plan_replicas(args, [], [0, 1], [1, 2])
+    assert sup.router_settings(args, plans)["api_key"] == "k"
+    for bad in ({"api_key": ["a", "b"]}, {"api_key": "a", "cache_isolation": "api-key"}):
+        with pytest.raises(ValueError, match="one --api-key"):
+            ServerArgs(dp=2, **bad).validate()

@@ -57,6 +57,12 @@ def _make(family: str) -> transformers.PreTrainedModel:
     elif family == "qwen3_tied":
         cfg = transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif family == "qwen3_swa":  # Qwen's own windows: layers from max_window_layers on
+        cfg = transformers.Qwen3Config(
+            **COMMON, head_dim=16, use_sliding_window=True, sliding_window=WINDOW,
+            max_window_layers=1,
+        )  # fmt: skip
+        model = transformers.Qwen3ForCausalLM(cfg)
     elif family == "mistral":
         cfg = transformers.MistralConfig(**COMMON, sliding_window=WINDOW)
         model = transformers.MistralForCausalLM(cfg)
@@ -86,7 +92,7 @@ def _make(family: str) -> transformers.PreTrainedModel:
     return model
 
 
-FAMILIES = ["qwen3", "qwen3_tied", "mistral", "gemma3"]
+FAMILIES = ["qwen3", "qwen3_tied", "qwen3_swa", "mistral", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +111,11 @@ def test_configs_name_their_family(checkpoints):
     assert got["qwen3"].architecture == "qwen3" and got["qwen3"].qk_norm
     assert got["qwen3"].rope_scaling["rope_type"] == "yarn" and not got["qwen3"].tie_word_embeddings
     assert got["qwen3_tied"].tie_word_embeddings
+    assert got["qwen3_swa"].layer_windows == (0, WINDOW, WINDOW)
+    no_types = transformers.Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=2).to_dict()  # fmt: skip
+    no_types.pop("layer_types")  # older config.json files: derived from max_window_layers
+    assert config_from_hf_dict(no_types).layer_windows == (0, 0, WINDOW)
     assert got["mistral"].architecture == "llama"
     assert got["mistral"].layer_windows == (WINDOW,) * 3
     g = got["gemma3"]
@@ -159,7 +170,7 @@ def test_logits_match_transformers(checkpoints, family, page_size):
         seq.append(results[0].next_id)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_swa", "mistral", "gemma3"])
 def test_the_window_changes_the_logits(checkpoints, family):
     """The window matters for these prompts: full attention gives other logits (so the match
     above is the window's doing)."""
@@ -449,3 +460,135 @@ def test_serve_refuses_at_load_and_leaves_nothing_running(tmp_path):
     # no worker or scheduler was spawned: nothing of ours has this folder on its command line
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tmp_path) not in ps
+
+
+@pytest.mark.parametrize(
+    "name,params_b",
+    [("qwen3-8b", 8.19), ("mistral-7b", 7.24), ("gemma-3-12b", 11.77), ("llama-3.1-8b", 8.03)],
+)
+def test_shipped_benchmark_shapes(name, params_b):
+    """The dummy configs bench/gpu_worker.py runs build their family at the published size."""
+    from radix_runtime.model_source import dummy_config_path
+    from radix_runtime.worker.models.registry import MODEL_CLASSES, build_model
+
+    c = load_hf_config(dummy_config_path(name))
+    model = build_model(c, torch.device("meta"), torch.bfloat16)
+    assert type(model) is MODEL_CLASSES[c.architecture]
+    total = sum(p.numel() for p in model.parameters())
+    assert total / 1e9 == pytest.approx(params_b, abs=0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+# chat templates: the constructs each family's template uses render as transformers renders them
+# (templates written for this test in each family's style; the published Qwen3, Mistral v0.3
+# and Gemma 3 templates use these constructs)
+
+_QWEN3_STYLE = """{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
+{%- if ns.multi_step_tool and message.role == "user" and not message.content.startswith('<tool') %}
+{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == "assistant" %}{{- '<|im_start|>assistant\\n' + message.content }}
+{%- for call in message.tool_calls or [] %}{%- set call = call.function %}
+{{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + (call.arguments | tojson) + '}' }}
+{%- endfor %}{{- '<|im_end|>\\n' }}
+{%- elif message.role == "tool" %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content }}
+{{- '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}{%- endif %}"""
+
+_MISTRAL_STYLE = """{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
+{%- set user_messages = messages | selectattr("role", "equalto", "user") | list %}
+{%- for message in messages | rejectattr("role", "equalto", "tool") | selectattr("tool_calls", "undefined") %}
+{%- if (message["role"] == "user") != (loop.index0 % 2 == 0) %}
+{{- raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+{%- endif %}{%- endfor %}{{- bos_token }}
+{%- for message in messages %}{%- if message["role"] == "user" %}{{- "[INST] " }}
+{%- if tools is not none and (message == user_messages[-1]) %}{{- "[AVAILABLE_TOOLS] [" }}
+{%- for tool in tools %}{%- for key, val in tool.function.items() if key != "return" %}
+{{- '"' + key + '": ' + (val|tojson) }}{%- if not loop.last %}{{- ", " }}{%- endif %}{%- endfor %}
+{%- endfor %}{{- "][/AVAILABLE_TOOLS]" }}{%- endif %}{{- message["content"] + "[/INST]" }}
+{%- elif message.tool_calls is defined %}{{- "[TOOL_CALLS] " + (message.tool_calls|map(attribute="function")|list|tojson) }}
+{%- elif message["role"] == "tool" %}{{- '[TOOL_RESULTS] {"content": ' + message.content|string + "}[/TOOL_RESULTS]" }}
+{%- else %}{{- " " + message["content"] + eos_token }}{%- endif %}{%- endfor %}"""
+
+_GEMMA3_STYLE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+{%- set loop_messages = messages[1:] -%}
+{%- else -%}{%- set first_user_prefix = "" -%}{%- set loop_messages = messages -%}{%- endif -%}
+{%- for message in loop_messages -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+{%- endif -%}{%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+{{- message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"""
+
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+_CHAT = [{"role": "user", "content": " Hi <there> & 'you' "}, {"role": "assistant", "content": "Hello!"},
+         {"role": "user", "content": "Weather in Paris?"}]  # fmt: skip
+_CALLS = _CHAT + [
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "template,messages,kwargs",
+    [
+        (_QWEN3_STYLE, _CHAT, {}),
+        (_QWEN3_STYLE, _CALLS, {"tools": _TOOLS, "enable_thinking": False}),
+        (_MISTRAL_STYLE, _CHAT, {}),
+        (_MISTRAL_STYLE, _CALLS, {"tools": _TOOLS}),
+        (_GEMMA3_STYLE, [{"role": "system", "content": "Be brief."}, *_CHAT], {}),
+    ],
+    ids=["qwen3", "qwen3-tools", "mistral", "mistral-tools", "gemma3"],
+)
+def test_family_chat_templates_render_like_transformers(template, messages, kwargs):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from radix_runtime.tokenizer.chat_template import render_chat
+
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    want = render_jinja_template(
+        [messages], chat_template=template, add_generation_prompt=True, **special, **kwargs
+    )[0][0]
+    assert render_chat(template, messages, True, special, **kwargs) == want
+    if "tools" in kwargs:
+        assert '"get_weather"' in want
+
+
+def test_gemma3_template_refuses_non_alternating_roles():
+    from radix_runtime.tokenizer.chat_template import render_chat
+
+    with pytest.raises(ValueError, match="must alternate"):
+        render_chat(_GEMMA3_STYLE, [_CHAT[0], _CHAT[0]], True, {"bos_token": "<bos>"})
+
+
+def test_gemma3_text_config_defaults_match_transformers():
+    """A released multimodal config's text_config leaves fields at transformers' defaults."""
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+            "num_hidden_layers": 34, "sliding_window": 1024,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}  # fmt: skip
+    c = config_from_hf_dict(
+        {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+         "eos_token_id": [1, 106], "text_config": text}
+    )  # fmt: skip
+    hf = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    assert (c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps) == (
+        hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
+        hf.rms_norm_eps,
+    )  # fmt: skip
+    assert c.rope_theta == hf.rope_parameters["full_attention"]["rope_theta"]
+    assert c.rope_local_theta == hf.rope_parameters["sliding_attention"]["rope_theta"]
+    assert c.softmax_scale == hf.query_pre_attn_scalar**-0.5 and c.tie_word_embeddings
+    assert c.layer_windows == tuple(1024 if t == "sliding_attention" else 0 for t in hf.layer_types)
+    assert c.eos_token_ids == (1, 106)

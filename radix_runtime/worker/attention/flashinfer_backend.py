@@ -28,7 +28,11 @@ distinct window of the model (0 = full attention), planned with FlashInfer's `wi
 (window - 1: the keys a query sees besides itself); each layer runs the wrapper of its window.
 The Triton decode kernel takes the window as an argument and starts its split-KV loop at the
 window's first key. Each window's wrappers have their own pinned host buffers and scratch, so
-the wait before a plan (see `_plan`) is per window.
+the wait before a plan (see `_plan`) is per window. A windowed model runs every FlashInfer call
+on one kernel module, FA2 prefill with the sliding-window mask (`window_left` of a full layer is
+`FULL_WINDOW_LEFT`, beyond any context; decode on tensor cores, which is the same module):
+FlashInfer compiles each (backend, head_dim, window) variant on first use, ~1 minute each, and
+the ahead-of-time set has no windowed ones.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ from radix_runtime.worker.kv_pool import KVPool
 # FlashInfer's scratch space for split-KV partial results, shared by every wrapper (one runs at
 # a time); SGLang uses the same order of size
 WORKSPACE_BYTES = 256 << 20
+# window_left of a full-attention layer in a windowed model: larger than any context, so the
+# sliding-window kernel variant masks nothing
+FULL_WINDOW_LEFT = 1 << 24
 
 
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
@@ -71,14 +78,26 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, device, **options)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.tensor_cores = use_tensor_cores(num_heads, num_kv_heads)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._prefill_backend = "auto"
+        if self.layer_windows is not None:  # one kernel module for everything (see the top)
+            self.tensor_cores = True
+            self._prefill_backend = self.extend_graph_backend = "fa2"
+            # NOTE: FA2's graphed prefill fails on the H200 (cudaErrorInvalidAddressSpace in the
+            # capture's warm-up run; FA2 may add a split-KV pass that FA3 never has), so a
+            # windowed model's prefill steps run eagerly; its decode steps are still graphed
+            self.supports_extend_graph = False
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=self._prefill_backend
+        )
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
         # the eager wrappers of each sliding window (window 0 is the pair above)
         self._window_wrappers = {
             w: (
-                flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"),
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", backend=self._prefill_backend
+                ),
                 flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_tensor_cores=self.tensor_cores
                 ),
@@ -162,13 +181,18 @@ class FlashInferBackend(AttentionBackend):
             sm_scale=self.scale,
             q_data_type=self.kv_dtype,
             kv_data_type=self.kv_dtype,
-            window_left=window - 1 if window else -1,
+            window_left=self._window_left(window),
             **extra,
         )
         self._active[window] = wrapper
         if self.device.type == "cuda":
             self._plan_copied[window] = torch.cuda.Event()
             self._plan_copied[window].record()
+
+    def _window_left(self, window: int) -> int:
+        if self.layer_windows is None:
+            return -1
+        return window - 1 if window else FULL_WINDOW_LEFT
 
     def forward(
         self,

@@ -154,18 +154,22 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         attn: AttentionBackend,
         kv_pool: KVPool,
     ) -> torch.Tensor:
-        """The CUDA path: FlashInfer's Gemma norms (each residual add fused into the next norm),
-        q/k norms fused into the RoPE kernel, gelu-and-mul in one kernel."""
+        """The CUDA path: each sublayer's output norm, the residual add and the next input norm
+        in one kernel (`gpu_ops.gemma_norm_add_norm`), q/k norms fused into the RoPE kernel,
+        gelu-and-mul in one kernel: 11 kernels a layer at batch 1."""
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
         residual = h
         x = ops.gemma_rmsnorm(h, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
-            if i > 0:  # residual += h (the previous MLP's normalized output); x = norm(residual)
-                x = ops.gemma_fused_add_rmsnorm(h, residual, layer.input_layernorm.weight, eps)
+            if i > 0:  # residual += post_ff_norm(h) of the layer before; x = input_norm(residual)
+                x = ops.gemma_norm_add_norm(
+                    h, residual, layers[i - 1].post_feedforward_layernorm.weight,
+                    layer.input_layernorm.weight, eps,
+                )  # fmt: skip
             a, mlp = layer.self_attn, layer.mlp
-            qkv = ops.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+            qkv = ops.project(x, a.qkv_proj)
             cos, sin = rope[layer.local]
             q, k = ops.rotary_qk(
                 qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -173,15 +177,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             )  # fmt: skip
             v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
             out = attn.forward(a.layer_id, q, k, v, kv_pool).view(-1, c.q_size)
-            h = ops.linear(out, a.o_proj.weight, a.o_proj.bias)
-            h = ops.gemma_rmsnorm(h, layer.post_attention_layernorm.weight, eps)
-            x = ops.gemma_fused_add_rmsnorm(
-                h, residual, layer.pre_feedforward_layernorm.weight, eps
-            )
-            gate_up = ops.linear(x, mlp.gate_up_proj.weight, None)
-            h = ops.linear(ops.gelu_tanh_and_mul(gate_up), mlp.down_proj.weight, None)
-            h = ops.gemma_rmsnorm(h, layer.post_feedforward_layernorm.weight, eps)
-        return ops.gemma_fused_add_rmsnorm(h, residual, self.model.norm.weight, eps)
+            h = ops.project(out, a.o_proj)
+            x = ops.gemma_norm_add_norm(
+                h, residual, layer.post_attention_layernorm.weight,
+                layer.pre_feedforward_layernorm.weight, eps,
+            )  # fmt: skip
+            gate_up = ops.project(x, mlp.gate_up_proj)
+            h = ops.project(ops.gelu_tanh_and_mul(gate_up), mlp.down_proj)
+        return ops.gemma_norm_add_norm(
+            h, residual, layers[-1].post_feedforward_layernorm.weight, self.model.norm.weight, eps
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
