@@ -270,14 +270,13 @@ def load_tokenizer(info: dict):
     try:
         from radix_runtime.tokenizer import load_tokenizer as load
 
-        return load(info.get("tokenizer") or info["model"])
+        return load(info.get("tokenizer") or info.get("model") or info["model_path"])
     except Exception as exc:  # any failure only costs the optimal hit rate of text mode
         print(f"warning: no local tokenizer ({exc}); text mode has no optimal hit rate")
         return None
 
 
-def run(opts: argparse.Namespace) -> dict:
-    sections: dict[str, dict] = {}
+def base_config(opts: argparse.Namespace) -> dict:
     config: dict = {
         k: v for k, v in vars(opts).items() if k not in ("api_key", "out", "plot", "func")
     }
@@ -286,12 +285,19 @@ def run(opts: argparse.Namespace) -> dict:
     config["max_prompt_tokens"] = max_prompt_tokens(
         opts.rounds, opts.system_tokens, opts.context_tokens, opts.user_tokens, opts.answer_tokens
     )
+    return config
+
+
+def run_targets(targets: list, opts: argparse.Namespace, config: dict) -> dict[str, dict]:
+    """The same trace against each target in turn (later ones replay the first one's answers,
+    so every target sees the very same prompts); a section of metrics per target label."""
+    sections: dict[str, dict] = {}
     trace = None
     replay = None
-    targets = all_targets(opts)
     for target in targets:
         with common.open_target(target, opts) as url:
-            info = common.prepare_server(url, opts.api_key)
+            # behind a router, warm-ups with different prompts reach several replicas
+            info = common.prepare_server(url, opts.api_key, warm_ups=2 * max(opts.dp, 1))
             if trace is None:
                 token_range = common.safe_token_range(info["vocab_size"])
                 trace = make_trace(
@@ -320,8 +326,17 @@ def run(opts: argparse.Namespace) -> dict:
             optimal = optimal_per_turn(turns, page_size, tokenizer)
             sections[target.label] = section(turns, duration, opts.rounds, optimal) | lag
             tier_stats(sections[target.label], turns, opts.rounds, url, opts.api_key)
+            if info.get("router"):  # counted since each replica started: warm-ups included
+                sections[target.label]["replicas"] = common.replica_split(url, opts.api_key)
             if replay is None:
                 replay = {(t.client, t.round): t.answer for t in turns if t.result.error is None}
+    return sections
+
+
+def run(opts: argparse.Namespace) -> dict:
+    config = base_config(opts)
+    targets = all_targets(opts)
+    sections = run_targets(targets, opts, config)
     on, off = sections["cache_on"], sections.get("cache_off")
     reference = common.CACHE_OFF_REFERENCE if off else "none (cache on only)"
     if "unrestricted" in sections:
@@ -345,6 +360,72 @@ def run(opts: argparse.Namespace) -> dict:
             "hit_rate_over_optimal": common.ratio(on["hit_rate"], on["optimal_hit_rate"]),
         },
     }
+
+
+ROUTER_REFERENCE = (
+    "the optimal hit rate: the same trace against one infinite cache (what perfect affinity "
+    "would reuse); the policies side by side on the same trace, in the same run"
+)
+
+
+def run_router_policies(opts: argparse.Namespace) -> dict:
+    """`--router-policies a,b`: one launched `serve --dp N --router-policy P` per policy, the
+    same trace against each: hit rate over optimal, TTFT and throughput side by side."""
+    policies = [p.strip() for p in opts.router_policies.split(",") if p.strip()]
+    if opts.url:
+        raise SystemExit("--router-policies launches its servers: leave out --url")
+    flags = tuple(shlex.split(opts.server_args))
+    targets = [
+        common.Target(p, None, (*flags, "--dp", str(opts.dp), "--router-policy", p))
+        for p in policies
+    ]
+    config = base_config(opts)
+    sections = run_targets(targets, opts, config)
+    first = policies[0]
+    ratios = {
+        f"{p}_hit_rate_over_optimal": common.ratio(
+            sections[p]["hit_rate"], sections[p]["optimal_hit_rate"]
+        )
+        for p in policies
+    }
+    for p in policies[1:]:
+        ratios[f"output_tok_s_{first}_over_{p}"] = common.ratio(
+            sections[first]["output_tok_s"], sections[p]["output_tok_s"]
+        )
+        ratios[f"ttft_p50_{p}_over_{first}"] = common.ratio(
+            sections[p]["ttft_p50_s"], sections[first]["ttft_p50_s"]
+        )
+    return {
+        "provenance": common.provenance(ROUTER_REFERENCE, common.targets_flags(targets)),
+        "config": config,
+        "policies": sections,
+        "ratios": ratios,
+    }
+
+
+def print_policy_table(result: dict) -> None:
+    sections = result["policies"]
+    rows = [
+        ("TTFT p50 (s)", "ttft_p50_s", 1, 3),
+        ("TTFT p99 (s)", "ttft_p99_s", 1, 3),
+        ("ITL p50 (ms)", "itl_p50_s", 1e3, 1),
+        ("output tok/s", "output_tok_s", 1, 1),
+        ("hit rate", "hit_rate", 1, 3),
+        ("optimal hit rate", "optimal_hit_rate", 1, 3),
+        ("errors", "errors", 1, 0),
+    ]
+    print()
+    print(f"{'':<18}" + "".join(f"{p:>14}" for p in sections))
+    for name, key, scale, digits in rows:
+        cells = "".join(f"{common.fmt(s[key], scale, digits):>14}" for s in sections.values())
+        print(f"{name:<18}{cells}")
+    print()
+    for key, value in result["ratios"].items():
+        print(f"{key + ':':<44}{common.fmt(value, 1, 3)}")
+    for policy, sec in sections.items():
+        split = sec.get("replicas") or []
+        shares = ", ".join(f"{r['prompt_tokens']} ({r['cached_tokens']} cached)" for r in split)
+        print(f"{policy}: prompt tokens per replica: {shares}")
 
 
 def all_targets(opts: argparse.Namespace) -> list[common.Target]:
@@ -595,6 +676,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--text", action="store_true", help="send chat text instead of token ids")
+    d = p.add_argument_group("data parallel (launched servers)")
+    d.add_argument("--dp", type=int, default=0, help="replicas per launched server (serve --dp)")
+    d.add_argument(
+        "--router-policies",
+        default=None,
+        help="compare the router's policies, e.g. cache_aware,round_robin: one launched "
+        "`serve --dp N --router-policy P` each (needs --dp >= 2)",
+    )
     h = p.add_argument_group("host KV tier (docs/hicache.md)")
     h.add_argument(
         "--hicache-policies",
@@ -623,6 +712,20 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             "--clients, --rounds, --max-inflight, --user-tokens, --answer-tokens must be >= 1"
         )
+    if opts.router_policies:
+        if opts.dp < 2:
+            raise SystemExit("--router-policies needs --dp >= 2")
+        result = run_router_policies(opts)
+        print_policy_table(result)
+        if opts.out:
+            common.write_json(opts.out, result)
+        failed = sum(s["errors"] for s in result["policies"].values())
+        if failed:
+            print(
+                f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr
+            )
+            return 1
+        return 0
     result = run(opts)
     print_table(result)
     print_tiers(result)

@@ -66,6 +66,7 @@ class ServerArgs:
     dp: int = 1
     dp_rank: int = 0  # this replica's index (set by the supervisor; tags its KV events)
     router_policy: str = "cache_aware"  # cache_aware | round_robin | power_of_two | random
+    router_args: str = ""  # more sglang-router flags, in its own syntax
     # KV-cache events: a ZeroMQ PUB endpoint (e.g. tcp://*:5557) and its snapshot (replay) socket
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
@@ -191,6 +192,8 @@ _HELP = {
     "give each replica its own): tags its KV events",
     "router_policy": "the router's policy with --dp > 1 (cache_aware: a conversation goes to the "
     "replica that served its prefix)",
+    "router_args": "more flags for the router with --dp > 1, in sglang-router's syntax, e.g. "
+    "'--balance-abs-threshold 4' (python -m sglang_router.launch_router --help)",
     "kv_events_endpoint": "publish KV-cache events (blocks stored / removed / all cleared, "
     "msgpack) on this ZeroMQ PUB endpoint, e.g. tcp://*:5557 (docs/scaling.md)",
     "kv_events_replay_endpoint": "a ZeroMQ ROUTER endpoint answering snapshot requests: every "
