@@ -60,7 +60,7 @@ setup(
     description="LLM serving runtime with a radix-tree KV cache (tokenizer / scheduler / worker over ZeroMQ)",
     python_requires=">=3.10",
     packages=find_packages(include=["radix_runtime", "radix_runtime.*"]),
-    package_data={"radix_runtime": ["worker/model_configs/*.json"]},
+    package_data={"radix_runtime": ["worker/model_configs/*.json", "server/static/*.html"]},
     install_requires=[
         # a range the CPU wheel on the dev machines (2.13) and the H200's torch (2.11) satisfy
         "torch>=2.4,<2.14",
@@ -79,22 +79,38 @@ setup(
         "setproctitle",
         "safetensors",
         "psutil",
+        "prometheus-client>=0.17",  # /metrics exposition
+        # xgrammar's own dependencies but triton (1 GB, only for its CUDA kernels): scripts/setup.sh
+        # installs xgrammar with --no-deps on CPU; the `grammar` extra pulls it with triton
+        "apache-tvm-ffi",
+        "pydantic>=2",
+        "transformers",
     ],
     extras_require={
-        "gpu": ["flashinfer-python==0.5.3", "triton"],
+        "gpu": ["flashinfer-python==0.5.3", "triton", "xgrammar==0.2.9"],
+        "grammar": ["xgrammar==0.2.9"],
         "test": [
             "pytest",
             "pytest-timeout",
             "hypothesis",
             "ruff",
             "openai>=1.0",
+            "jsonschema",
             "httpx",
             "transformers",
             "matplotlib",
+            "playwright",  # drives Debian's Chromium for the /dashboard test
+            "jsonschema",
+            "sglang-router>=0.3.2,<0.4",  # the --dp tests run the real router
         ],
         # llama-cpp-python: the llama.cpp server bench/cpu_decode.py compares against (it
         # compiles llama.cpp from source: minutes; CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU)
         "bench": ["matplotlib", "httpx", "llama-cpp-python[server]"],
+        # tests/integration/test_lm_eval.py (skipped without it): lm-evaluation-harness with
+        # its API models; heavy (datasets, pandas, pyarrow, scikit-learn: ~4 min, ~0.5 GB)
+        "eval": ["lm_eval[api]==0.4.13"],
+        # `serve --dp N`: SGLang's router (a Rust binary in a wheel; the tested API is 0.3.x's)
+        "router": ["sglang-router>=0.3.2,<0.4"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_ext": OptionalBuildExt},

@@ -106,6 +106,7 @@ class RequestResult:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from a host tier (native API only)
     output_ids: list[int] = field(default_factory=list)
     output_tokens: int = 0
     text: str = ""
@@ -347,6 +348,7 @@ async def stream_generate(
         meta = event.get("meta_info") or {}
         result.prompt_tokens = meta.get("prompt_tokens", len(input_ids))
         result.cached_tokens = meta.get("cached_tokens", 0)
+        result.host_cached_tokens = meta.get("host_cached_tokens", 0)
         return new
 
     return await _timed(client, base_url + "/generate", body, t0, on_event)
@@ -416,10 +418,10 @@ def flush_cache(url: str, api_key: str | None = None) -> bool:
     return r.status_code == 200
 
 
-def warm_up(url: str, vocab_size: int, api_key: str | None = None) -> None:
+def warm_up(url: str, vocab_size: int, api_key: str | None = None, salt: int = 0) -> None:
     """One short request, so the first measured one does not pay for lazy initialisation."""
     lo, hi = safe_token_range(vocab_size)
-    ids = [lo + (i * 7919) % (hi - lo) for i in range(16)]
+    ids = [lo + (i * 7919 + salt * 104729) % (hi - lo) for i in range(16)]
     body = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0.0},
@@ -487,7 +489,10 @@ class LaunchedServer:
                     f"the server exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # --dp: the router answers /health once it listens, /readiness once it has
+                # a replica to send to
+                path = "/readiness" if "--dp" in self.cmd else "/health"
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return self
             time.sleep(0.3)
         self.stop()
@@ -560,10 +565,41 @@ def open_target(target: Target, args: argparse.Namespace) -> Iterator[str]:
         yield server.url
 
 
-def prepare_server(url: str, api_key: str | None) -> dict:
-    """Server info, after a warm-up request and an emptied cache."""
+def replica_split(url: str, api_key: str | None) -> list[dict] | None:
+    """Behind SGLang's router: each replica's prompt and cached tokens so far (from the router's
+    GET /workers and each replica's /get_server_info), showing how a policy spread the load;
+    None for a plain server."""
+    try:
+        r = httpx.get(url + "/workers", headers=_headers(api_key), timeout=30)
+        workers = r.json().get("workers") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(workers, list):
+        return None
+    out = []
+    for w in workers:
+        cache = get_server_info(w["url"], api_key).get("cache") or {}
+        out.append(
+            {
+                "url": w["url"],
+                "prompt_tokens": cache.get("prompt_tokens"),
+                "cached_tokens": cache.get("cached_tokens"),
+            }
+        )
+    return out
+
+
+def prepare_server(url: str, api_key: str | None, warm_ups: int = 1) -> dict:
+    """Server info, after warm-up requests and an emptied cache. Behind SGLang's router
+    (`serve --dp N`), /get_server_info is the router's own: the model's facts come from
+    /get_model_info (answered by a replica); `warm_ups` > 1 reaches several replicas."""
     info = get_server_info(url, api_key)
-    warm_up(url, info["vocab_size"], api_key)
+    if "vocab_size" not in info:  # a router
+        r = httpx.get(url + "/get_model_info", headers=_headers(api_key), timeout=60)
+        r.raise_for_status()
+        info = {**info, **r.json(), "router": True}
+    for i in range(warm_ups):
+        warm_up(url, info["vocab_size"], api_key, salt=i)
     if not flush_cache(url, api_key):
         print(f"warning: {url} refused /flush_cache; the run may start warm", file=sys.stderr)
     return info
@@ -593,6 +629,144 @@ def host_info() -> dict:
         "uvloop": _version("uvloop"),
         "httptools": _version("httptools"),
     }
+
+
+def git_commit() -> tuple[str, bool | None]:
+    """(commit, dirty) of the code this run imports: $RADIX_RUNTIME_COMMIT when set (a checkout
+    copied without .git, e.g. the H200's, names its commit that way), else `git rev-parse HEAD`
+    and whether the work tree has uncommitted changes; ("unknown", None) when neither exists."""
+    stated = os.environ.get("RADIX_RUNTIME_COMMIT")
+    if stated:
+        return stated, None
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+    if head.returncode != 0:
+        return "unknown", None
+    return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+
+
+def cpu_model() -> str | None:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or None
+
+
+def gpu_names() -> list[str]:
+    """The GPUs nvidia-smi lists (without importing torch); [] when there is none."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return (
+        [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        if out.returncode == 0
+        else []
+    )
+
+
+def machine() -> dict:
+    """The machine a result was measured on, and how busy it was when the run began."""
+    import platform
+
+    gpus = gpu_names()
+    return {
+        "gpu": gpus[0] if gpus else None,
+        "gpus": len(gpus),
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_at_start": _RUN_START["loadavg"],
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+
+
+# the environment variables a run's numbers depend on, repeated in front of its command
+COMMAND_ENV = (
+    "OMP_WAIT_POLICY",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "RADIX_RUNTIME_GEMV_CONFIGS",
+)
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that reproduces this run, as a user would type it from the repo root."""
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0])
+    with contextlib.suppress(ValueError):
+        script = script.resolve().relative_to(REPO_ROOT)
+    env = [f"{k}={os.environ[k]}" for k in COMMAND_ENV if k in os.environ]
+    return shlex.join([*env, "python", str(script), *argv[1:]])
+
+
+_RUN_START: dict = {"commit": None, "date": None, "loadavg": None}
+
+
+def mark_run_start() -> None:
+    """Note the commit, the time and the load as the run begins (a provenance block written at
+    the end describes the start, not the moment of writing); bench/common does it on import."""
+    from datetime import UTC, datetime
+
+    _RUN_START.update(
+        commit=git_commit(),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        loadavg=os.getloadavg()[0],
+    )
+
+
+def provenance(
+    ceiling: str | dict, server_flags: Any = None, argv: Sequence[str] | None = None
+) -> dict:
+    """What every results file opens with: the commit, date, machine and exact command that
+    produced it, the flags of the server(s) it measured (None for in-process benchmarks), and
+    the ceiling or reference its ratios divide by."""
+    if _RUN_START["commit"] is None:  # the first call of a run that started without one
+        mark_run_start()
+    commit, dirty = _RUN_START["commit"]
+    return {
+        "reconstructed": False,
+        "commit": commit,
+        "dirty": dirty,
+        "date": _RUN_START["date"],
+        "machine": machine(),
+        "command": command_line(argv),
+        "server_flags": server_flags,
+        "ceiling": ceiling,
+    }
+
+
+def targets_flags(targets: Sequence[Target]) -> dict:
+    """server_flags of a provenance block for a run against `targets`: each one's launch flags,
+    or the URL it was given (its settings are then in the result's config)."""
+    return {
+        t.label: (shlex.join(t.flags) if t.url is None else f"a running server at {t.url}")
+        for t in targets
+    }
+
+
+CACHE_OFF_REFERENCE = (
+    "the same workload against a server with --disable-radix-cache, in the same run"
+)
 
 
 def run_async(coro):
@@ -680,3 +854,6 @@ def progress(total: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+mark_run_start()

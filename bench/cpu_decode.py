@@ -35,10 +35,14 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
-from bench.common import LaunchedServer, _die_with_parent, free_port
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import LaunchedServer, _die_with_parent, free_port, provenance
 from radix_runtime.model_source import default_gguf_path
 
 EOS_BIAS = {"0": -100.0, "2": -100.0}  # <|endoftext|>, <|im_end|>: a fixed number of tokens
@@ -247,6 +251,14 @@ def main() -> None:
         import llama_cpp
 
         result = {
+            "provenance": provenance(
+                "llama.cpp's server (llama-cpp-python) on the same GGUF and threads, same run",
+                server_flags={
+                    "ours": shlex.join(flags) + " --cpu-weight-format FORMAT",
+                    "llama.cpp": f"--n_threads {args.threads} --n_threads_batch {args.threads} "
+                    "--n_ctx 4096",
+                },
+            ),
             "commit": commit(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "cpu_model": cpu_model(),

@@ -20,14 +20,20 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from radix_runtime.worker import gpu_ops
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import provenance  # noqa: E402
+from radix_runtime.worker import gpu_ops  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -173,6 +179,8 @@ def main() -> None:
         del ws
         torch.cuda.empty_cache()
     result["elapsed_s"] = time.time() - t_start
+    ceiling = "cuBLAS (F.linear) on the same shapes, in the same run; TB/s counts weight bytes read"
+    result = {"provenance": provenance(ceiling), **result}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

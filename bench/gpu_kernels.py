@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from functools import partial
+from pathlib import Path
 
 import flashinfer
 import torch
 import torch.nn.functional as F
 import triton.testing
 
-from radix_runtime.worker import gpu_ops
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import provenance  # noqa: E402
+from radix_runtime.worker import gpu_ops  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -270,7 +276,9 @@ def main() -> None:
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            ceiling = "the torch (or cuBLAS) version of each op, in the same run"
+            result = {"provenance": provenance(ceiling), "device": torch.cuda.get_device_name()}
+            json.dump({**result, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Plot a sweep of one server flag from several bench/multi_turn_chat.py results.
 
 Each JSON is one run. The flag's value is what the run's cache-on server reported (the bench
-records the scheduling settings since session 4), else what its `--server-args` set, else the
+records the scheduling settings), else what its `--server-args` set, else the
 value given after the file name (`run.json@2048`: for older runs that left the flag at a default
 which has changed since), else `--default`. Left: TTFT p50 with the cache on and off against the value
 (every run a dot, the median of the runs at a value joined by a line). Right: the two ratios the

@@ -18,7 +18,9 @@ Only the tree calls themselves are timed, the same calls on both trees: `match_p
 shortfall read off the allocator) is the caller's work, the same for both trees, and happens
 before the clock starts.
 
-Implementations are created by one factory per name in IMPLS. By default both run on the same
+Implementations are created by one factory per name in IMPLS, each with the scheduler's Python
+page allocator, as the server pairs them (so an eviction's time includes freeing the pages
+through it). By default both run on the same
 trace, the Python tree (the reference) first, and the JSON holds one section per implementation
 (`ops_per_s` over every timed op, `match_8k_cached_us`: the 16-edge 8,192-token match) and
 `speedup` (cpp ops/s over python ops/s). The trace is replayed `--repeats` times per
@@ -41,6 +43,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
 
 try:
     from tqdm import tqdm
@@ -74,10 +78,12 @@ def make_python(page_size: int, num_pages: int):
 
 
 def make_cpp(page_size: int, num_pages: int):
-    """The C++ tree (csrc/) with the C++ allocator; ImportError when the extension is not built."""
-    from radix_runtime.scheduler.radix_cache_cpp import CppPageAllocator, CppRadixCache
+    """The C++ tree (csrc/) with the scheduler's Python allocator, the pairing the server runs
+    (scheduler/cache.py); ImportError when the extension is not built."""
+    from radix_runtime.scheduler.allocator import PageAllocator
+    from radix_runtime.scheduler.radix_cache_cpp import CppRadixCache
 
-    allocator = CppPageAllocator(num_pages)
+    allocator = PageAllocator(num_pages)
     return allocator, CppRadixCache(page_size, allocator)
 
 
@@ -389,7 +395,13 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = TraceConfig(**{k: getattr(args, k) for k in TraceConfig.__dataclass_fields__})
     impls = ["python", "cpp"] if args.impl == "both" else [args.impl]
 
-    result: dict = {"config": asdict(cfg), "repeats": args.repeats}
+    result: dict = {
+        "provenance": common.provenance(
+            "the Python tree (scheduler/radix_cache.py) on the same trace, in the same run"
+        ),
+        "config": asdict(cfg),
+        "repeats": args.repeats,
+    }
     runs: dict[str, list] = {name: [] for name in impls}
     for _ in range(max(1, args.repeats)):  # interleaved, so that a busy spell hits both
         for name in impls:

@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
 # One call on the H200 (the workplace's `run` tool) from the repo root, the device kit copied to
-# .devicekit/ (../shared/device-kit). Stages, in the order given:
+# .devicekit/ (../shared/device-kit). Each results file records its provenance (bench/common.py);
+# the checkout on the device has no .git, so name the commit being measured:
+#   RADIX_RUNTIME_COMMIT=<hash of the commit copied there> bash bench/run_h200.sh STAGES
+# Output file names are those of docs/results/. Stages, in the order given:
+#   build      build the C++ radix tree in place (the servers of later stages then run it)
+#   tree       bench/radix_tree.py and bench/scheduler_step.py on the host CPU
+#              -> $OUT/radix_tree_cpp_vs_python_h200_host.json, scheduler_step_h200_host.json
 #   tests      pytest tests/gpu
-#   kernels    bench/gpu_kernels.py           -> $OUT/gpu_kernels.json
-#   gemv       bench/gemv_sweep.py            -> $OUT/gemv_sweep.json
+#   kernels    bench/gpu_kernels.py           -> $OUT/h200_gpu_kernels.json
+#   gemv       bench/gemv_sweep.py            -> $OUT/h200_gemv_sweep.json
 #   worker     bench/gpu_worker.py            -> $OUT/h200_gpu_worker.json
+#   families   tests/gpu for Qwen3 / Mistral / Gemma 3 (and the windowed and q/k-norm kernels), then
+#              bench/gpu_worker.py --model qwen3-8b, mistral-7b, gemma-3-12b
+#              -> $OUT/gpu_tests_families.txt, $OUT/h200_gpu_worker_<model>.json
+#   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
+#              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
+#   metrics    bench/metrics_overhead.py: the multi-turn workload against metrics on and
+#              --disable-metrics (two servers at --mem-fraction-static 0.4), interleaved
+#              -> $OUT/h200_metrics_overhead.json
 #   mt:NAME:FLAGS    the same with the comma-separated server flags FLAGS -> h200_multi_turn_NAME.*
 #                    (e.g. mt:chunk1024:--chunked-prefill-size,1024)
 #   serve:NAME:FLAGS bench/serving.py, random 4-8K-token prompts, 128 tokens out, at 1 req/s (about
@@ -17,12 +31,18 @@
 #   serving_gsp      bench/serving.py, generated-shared-prefix (8 groups x 16 prompts sharing a
 #                    2,048-token system prompt, 128-token questions and answers), rates 8, 32, inf,
 #                    cache on and off -> $OUT/h200_serving.{json,png}
+#   dp_router        bench/multi_turn_chat.py against `serve --dp 2` (two replicas on the one
+#                    H200, each sizing its KV pool from half the memory; docs/scaling.md), router
+#                    policies cache_aware vs round_robin, token ids -> $OUT/h200_dp_router.json
+#                    (needs sglang-router from bench/fetch_device_wheels.sh)
 # The multi-turn stages keep the launched servers' logs in $OUT/logs_<name>/.
 # A stage given twice writes its repeat beside the first (name_<time>).
 # e.g.  bash bench/run_h200.sh tests kernels worker
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
 mkdir -p "$OUT"
+[ -n "${RADIX_RUNTIME_COMMIT:-}" ] || git rev-parse HEAD > /dev/null 2>&1 \
+    || echo "warning: no .git and no RADIX_RUNTIME_COMMIT: results will record commit 'unknown'"
 source .devicekit/setup.sh || exit 1
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
@@ -41,24 +61,47 @@ for stage in "$@"; do
         tree)
             lscpu | grep -E "Model name|L2|L3" || true
             timeout 300 python3 bench/radix_tree.py --no-progress \
-                --json "$OUT/h200_host_radix_tree.json" | grep -E "impl=|all |speedup|replays" \
-                || status=1
-            timeout 300 python3 bench/scheduler_step.py --json "$OUT/h200_host_scheduler_step.json" \
+                --json "$OUT/radix_tree_cpp_vs_python_h200_host.json" \
+                | grep -E "impl=|all |speedup|replays" || status=1
+            timeout 300 python3 bench/scheduler_step.py --json "$OUT/scheduler_step_h200_host.json" \
                 || status=1 ;;
         tests)
             python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 150 \
                 --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.txt" || status=1 ;;
         kernels)
-            timeout 240 python3 bench/gpu_kernels.py --out "$OUT/gpu_kernels.json" || status=1 ;;
+            timeout 240 python3 bench/gpu_kernels.py --out "$OUT/h200_gpu_kernels.json" || status=1 ;;
         gemv)
-            timeout 400 python3 bench/gemv_sweep.py --out "$OUT/gemv_sweep.json" || status=1
+            timeout 400 python3 bench/gemv_sweep.py --out "$OUT/h200_gemv_sweep.json" || status=1
             # later stages of this call use the configurations it found
-            [ -f "$OUT/gemv_sweep.json" ] && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/gemv_sweep.json" ;;
+            [ -f "$OUT/h200_gemv_sweep.json" ] \
+                && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/h200_gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        families)
+            python3 -m pytest tests/gpu/test_model_families_gpu.py tests/gpu/test_kernels.py -q \
+                -p no:cacheprovider --timeout 200 -k "families or window or head_norms or gemma" \
+                2>&1 | tee "$OUT/gpu_tests_families.txt" | tail -15 || status=1
+            for model in qwen3-8b mistral-7b gemma-3-12b; do
+                batches=1,64,256
+                [ "$model" = gemma-3-12b ] && batches=1,64  # 393 KB of KV a token
+                timeout 200 python3 bench/gpu_worker.py --model "$model" --decode-batches "$batches" --no-ab \
+                    --out "$OUT/h200_gpu_worker_$model.json" \
+                    | grep -E "^(decode_bs1_roofline|decode_bs1_graph_roofline|prefill_8192_mfu|prefill_2048_mfu|decode_bs64_tok_s|weight_GB)" \
+                    || status=1
+            done ;;
+        ttft)
+            timeout 300 python3 bench/cached_ttft.py --model llama-3.1-8b \
+                --server-args "--load-format dummy" --prompt-tokens 8192 --new-tokens 256 \
+                --repeats 5 --out "$OUT/h200_cached_ttft.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
+        metrics)
+            timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
+                --server-args "--load-format dummy --mem-fraction-static 0.4" \
+                --clients 64 --rounds 6 --system-tokens 1024 --context-tokens 512 \
+                --user-tokens 128 --answer-tokens 128 --max-inflight 32 --repeats 3 \
+                --out "$OUT/h200_metrics_overhead.json" || status=1 ;;
         multiturn|multiturn_mixed|multiturn_FLAGS|mt:*)
             flags="--load-format dummy" name=h200_multi_turn
             [ "$stage" = multiturn_mixed ] && flags="$flags --enable-mixed-chunk" name=h200_multi_turn_mixed
@@ -76,6 +119,16 @@ for stage in "$@"; do
             mkdir -p "$OUT/logs_$name"
             find "${TMPDIR:-/tmp}" -maxdepth 2 -name 'server-*.log' -newer "$marker" \
                 -exec cp {} "$OUT/logs_$name/" \; ;;
+        dp_router)
+            marker=$(mktemp)
+            timeout 570 python3 bench/multi_turn_chat.py --model llama-3.1-8b \
+                --server-args "--load-format dummy" --dp 2 \
+                --router-policies cache_aware,round_robin --clients 32 --rounds 4 \
+                --system-tokens 1024 --context-tokens 512 --user-tokens 128 --answer-tokens 128 \
+                --max-inflight 32 --out "$OUT/h200_dp_router.json" || status=1
+            mkdir -p "$OUT/logs_dp_router"
+            find "${TMPDIR:-/tmp}" -maxdepth 2 -name 'server-*.log' -newer "$marker" \
+                -exec cp {} "$OUT/logs_dp_router/" \; ;;
         serve:*)
             IFS=: read -r _ sv_name sv_flags <<< "$stage"
             timeout 300 python3 bench/serving.py --model llama-3.1-8b \

@@ -12,9 +12,9 @@ insert + unlock when a request finishes.
     python bench/scheduler_step.py                   # python and cpp trees, page size 1
     python bench/scheduler_step.py --page-size 16 --steps 1000 --json out.json
 
-Rows: `python` (the Python tree), `cpp` (the C++ tree, the scheduler's own Python allocator) and
-`cpp+cpp-allocator` (also the C++ PageAllocator twin). The tree-only cost of the same step is
-printed beside it: the time spent inside the cache's methods.
+Rows: `python` (the Python tree) and `cpp` (the C++ tree), each with the scheduler's own Python
+page allocator, as the server runs them. The tree-only cost of the same step is printed beside
+it: the time spent inside the cache's methods.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import common  # noqa: E402
 from radix_runtime import messages as m  # noqa: E402
 from radix_runtime.config import ServerArgs  # noqa: E402
-from radix_runtime.scheduler import scheduler as scheduler_module  # noqa: E402
 from radix_runtime.scheduler.scheduler import Scheduler  # noqa: E402
 
 VOCAB = 32000
@@ -106,7 +106,7 @@ class CacheTimer:
         return getattr(self._cache, name)
 
 
-def run(impl: str, cfg: StepConfig, cpp_allocator: bool = False) -> dict:
+def run(impl: str, cfg: StepConfig) -> dict:
     rng = np.random.default_rng(cfg.seed)
     ps = cfg.page_size
     longest = cfg.history + 4 * (cfg.user_len + cfg.max_output) + cfg.steps + cfg.warmup
@@ -118,15 +118,7 @@ def run(impl: str, cfg: StepConfig, cpp_allocator: bool = False) -> dict:
         radix_tree_impl=impl,
     )
     worker = FakeWorker(num_pages, cfg)
-    real_allocator = scheduler_module.PageAllocator
-    if cpp_allocator:
-        from radix_runtime.scheduler.radix_cache_cpp import CppPageAllocator
-
-        scheduler_module.PageAllocator = CppPageAllocator
-    try:
-        sched = Scheduler(args, worker.ready)
-    finally:
-        scheduler_module.PageAllocator = real_allocator
+    sched = Scheduler(args, worker.ready)
 
     # Cache every conversation's history (a shared 2k system prompt, then its own tokens).
     system = rng.integers(1, VOCAB, 2048, dtype=np.int32)
@@ -214,14 +206,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     cfg = StepConfig(**{k: getattr(args, k) for k in StepConfig.__dataclass_fields__})
 
-    rows = {"python": ("python", False)}
+    impls = ["python"]
     try:
         import radix_runtime.scheduler.radix_cache_cpp  # noqa: F401
 
-        rows.update({"cpp": ("cpp", False), "cpp+cpp-allocator": ("cpp", True)})
+        impls.append("cpp")
     except ImportError as exc:
         print(f"the C++ tree is not built ({exc}): python only")
-    result: dict = {"config": asdict(cfg)}
+    result: dict = {
+        "provenance": common.provenance("the same steps with the Python tree, in the same run"),
+        "config": asdict(cfg),
+    }
     print(
         f"scheduler step: {cfg.requests} requests, {cfg.history}-token cached histories, "
         f"user {cfg.user_len}, output {cfg.min_output}-{cfg.max_output}, page size "
@@ -230,8 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     header = f"{'tree':<20}{'mean us':>10}{'p50 us':>10}{'p99 us':>10}{'in tree us':>12}{'running':>9}{'turns':>7}"
     print(header)
     print("-" * len(header))
-    for name, (impl, cpp_allocator) in rows.items():
-        r = result[name] = run(impl, cfg, cpp_allocator)
+    for name in impls:
+        r = result[name] = run(name, cfg)
         print(
             f"{name:<20}{r['step_us_mean']:>10.0f}{r['step_us_p50']:>10.0f}{r['step_us_p99']:>10.0f}"
             f"{r['tree_us_mean']:>12.0f}{r['running_mean']:>9.0f}{r['turns_finished']:>7}"

@@ -193,7 +193,14 @@ def run(opts: argparse.Namespace) -> dict:
                 row = {"request_rate": "inf" if math.isinf(rate) else rate}
                 sweep.append({**row, **rate_summary(pairs, duration, page_size)})
             sweeps[target.label] = sweep
-    return {"config": config, "cache_on": sweeps["cache_on"], "cache_off": sweeps.get("cache_off")}
+    targets = common.targets_from_args(opts)
+    ceiling = common.CACHE_OFF_REFERENCE if len(targets) > 1 else "none (cache on only)"
+    return {
+        "provenance": common.provenance(ceiling, common.targets_flags(targets)),
+        "config": config,
+        "cache_on": sweeps["cache_on"],
+        "cache_off": sweeps.get("cache_off"),
+    }
 
 
 # ---------------------------------------------------------------------------------------------

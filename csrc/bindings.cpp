@@ -20,6 +20,7 @@
 
 #include <cstring>
 #include <new>
+#include <string>
 
 #include "page_allocator.h"
 #include "radix_tree.h"
@@ -123,6 +124,40 @@ bool check_nargs(const char* name, Py_ssize_t nargs, Py_ssize_t want) {
     return false;
 }
 
+// A call with `want` arguments and an optional namespace after them (None or a str): true with
+// `ns` filled (`*ns_ptr` nullptr for the public namespace), or false with a TypeError set.
+// (METH_FASTCALL | METH_KEYWORDS: the namespace may also be passed as namespace=...)
+bool namespace_arg(const char* name, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames,
+                   Py_ssize_t want, std::string& ns, const std::string** ns_ptr) {
+    *ns_ptr = nullptr;
+    PyObject* value = nargs > want ? args[want] : Py_None;
+    const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nkw > 1 || (nkw == 1 && (nargs != want ||
+                                 PyUnicode_CompareWithASCIIString(
+                                     PyTuple_GET_ITEM(kwnames, 0), "namespace") != 0))) {
+        PyErr_Format(PyExc_TypeError, "%s() takes only 'namespace' as a keyword", name);
+        return false;
+    }
+    if (nkw == 1) value = args[nargs];
+    if (nargs != want && nargs != want + 1) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd or %zd arguments (%zd given)", name, want,
+                     want + 1, nargs);
+        return false;
+    }
+    if (value == Py_None) return true;
+    if (!PyUnicode_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "a namespace is a str or None, got %s",
+                     Py_TYPE(value)->tp_name);
+        return false;
+    }
+    Py_ssize_t size;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(value, &size);
+    if (!utf8) return false;
+    ns.assign(utf8, static_cast<size_t>(size));
+    *ns_ptr = &ns;
+    return true;
+}
+
 // ------------------------------------------------------------------------- TreeNode handles
 
 struct PyNode {
@@ -173,6 +208,11 @@ PyObject* node_get_parent(PyObject* self, void*) { return handle(self_node(self)
 PyObject* node_get_last_access(PyObject* self, void*) {
     return PyLong_FromLongLong(self_node(self).last_access);
 }
+PyObject* node_get_namespace(PyObject* self, void*) {
+    const Node& n = self_node(self);
+    if (!n.ns) Py_RETURN_NONE;
+    return PyUnicode_FromStringAndSize(n.ns->data(), static_cast<Py_ssize_t>(n.ns->size()));
+}
 PyObject* node_get_lock_ref(PyObject* self, void*) {
     return PyLong_FromLongLong(self_node(self).lock_ref);
 }
@@ -190,12 +230,16 @@ PyObject* node_get_pages(PyObject* self, void*) {
 }
 
 // Children as the Python tree holds them: {bytes of the first token / page: node}, in
-// insertion order.
+// insertion order; the root's namespace nodes under their names (str).
 PyObject* node_get_children(PyObject* self, void*) {
     return guarded([&] {
         const Node& node = self_node(self);
         py::dict out;
         for (Node* child : node.ordered_children()) {
+            if (child->ns) {
+                out[py::str(*child->ns)] = py::reinterpret_steal<py::object>(handle(child));
+                continue;
+            }
             const size_t n = std::min<size_t>(node.page_size, child->key_len());
             py::bytes first(reinterpret_cast<const char*>(child->key()), sizeof(int32_t) * n);
             out[first] = py::reinterpret_steal<py::object>(handle(child));
@@ -240,6 +284,7 @@ PyGetSetDef node_getset[] = {
     {"children", node_get_children, nullptr, "{first token / page bytes: node} (a copy)",
      nullptr},
     {"lock_ref", node_get_lock_ref, node_set_lock_ref, nullptr, nullptr},
+    {"namespace", node_get_namespace, nullptr, "a namespace node's name, else None", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -341,8 +386,11 @@ PyObject* new_namedtuple(PyObject* type, std::initializer_list<PyObject*> items)
     return out;
 }
 
-PyObject* tree_match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_nargs("match_prefix", nargs, 1)) return nullptr;
+PyObject* tree_match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
+                            PyObject* kwnames) {
+    std::string ns;
+    const std::string* ns_ptr;
+    if (!namespace_arg("match_prefix", args, nargs, kwnames, 1, ns, &ns_ptr)) return nullptr;
     Tree* tree = tree_of(self);
     if (!tree) return nullptr;
     PyTree& t = self_tree(self);
@@ -350,7 +398,7 @@ PyObject* tree_match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t na
         Int32View view(args[0]);
         int64_t length = 0;
         std::vector<Node*>& path = *t.path;
-        Node* node = tree->match_prefix(view.data, view.size, path, length);
+        Node* node = tree->match_prefix(view.data, view.size, path, length, ns_ptr);
         int32_t* out;
         py::array pages = new_int32_array(length / tree->page_size(), &out);
         for (const Node* n : path) {
@@ -369,15 +417,19 @@ PyObject* tree_match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t na
     });
 }
 
-PyObject* tree_insert(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (!check_nargs("insert", nargs, 2)) return nullptr;
+PyObject* tree_insert(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
+                      PyObject* kwnames) {
+    std::string ns;
+    const std::string* ns_ptr;
+    if (!namespace_arg("insert", args, nargs, kwnames, 2, ns, &ns_ptr)) return nullptr;
     Tree* tree = tree_of(self);
     if (!tree) return nullptr;
     PyTree& t = self_tree(self);
     return guarded([&]() -> PyObject* {
         Int32View tokens(args[0]), pages(args[1]);
         int64_t prefix_len = 0;
-        Node* node = tree->insert(tokens.data, tokens.size, pages.data, pages.size, prefix_len);
+        Node* node =
+            tree->insert(tokens.data, tokens.size, pages.data, pages.size, prefix_len, ns_ptr);
         PyObject* len = PyLong_FromLongLong(prefix_len);
         PyObject* h = handle(node);
         if (!len || !h) {
@@ -522,9 +574,9 @@ PyObject* tree_debug_add_evictable(PyObject* self, PyObject* arg) {
 
 PyMethodDef tree_methods[] = {
     {"match_prefix", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_match_prefix)),
-     METH_FASTCALL, "match_prefix(tokens) -> match_type(pages, length, node)"},
+     METH_FASTCALL | METH_KEYWORDS, "match_prefix(tokens, namespace=None) -> match_type(pages, length, node)"},
     {"insert", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_insert)),
-     METH_FASTCALL, "insert(tokens, pages) -> insert_type(prefix_len, node)"},
+     METH_FASTCALL | METH_KEYWORDS, "insert(tokens, pages, namespace=None) -> insert_type(prefix_len, node)"},
     {"lock", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_lock)),
      METH_FASTCALL, "lock(node)"},
     {"unlock", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_unlock)),

@@ -112,11 +112,17 @@ std::vector<Node*> Node::ordered_children() const {
     std::vector<Node*> out;
     out.reserve(children.size());
     children.for_each([&](Node* child) { out.push_back(child); });
+    if (namespaces)
+        for (const auto& kv : *namespaces) out.push_back(kv.second.get());
     std::sort(out.begin(), out.end(), [](Node* a, Node* b) { return a->order < b->order; });
     return out;
 }
 
 std::string Node::repr() const {
+    if (ns)
+        return "TreeNode(id=" + std::to_string(id) + ", namespace='" + *ns +
+               "', lock_ref=" + std::to_string(lock_ref) +
+               ", last_access=" + std::to_string(last_access) + ")";
     return "TreeNode(id=" + std::to_string(id) + ", tokens=" + std::to_string(key_len_) +
            ", pages=" + std::to_string(num_pages_) + ", lock_ref=" + std::to_string(lock_ref) +
            ", last_access=" + std::to_string(last_access) + ")";
@@ -149,37 +155,73 @@ void Tree::dismantle() {
     while (!stack.empty()) {
         Node* node = stack.back();
         stack.pop_back();
-        node->children.for_each([&](Node* child) {
+        for (Node* child : node->ordered_children()) {
             stack.push_back(child);
             all.push_back(child->shared_from_this());
-        });
+        }
     }
     for (auto& node : all) {
         node->parent = nullptr;
         node->children.clear();
     }
     root_->children.clear();
+    root_->namespaces.reset();
     heap_.clear();
 }
 
 // ------------------------------------------------------------------------- match / insert
 
+Node* Tree::namespace_node(const std::string* ns, bool create) {
+    Node* root = root_.get();
+    if (!ns) return root;
+    if (root->namespaces) {
+        auto it = root->namespaces->find(*ns);
+        if (it != root->namespaces->end()) return it->second.get();
+    }
+    if (!create) return nullptr;
+    if (!root->namespaces) root->namespaces = std::make_unique<std::map<std::string, NodePtr>>();
+    NodePtr node = new_node();
+    node->set_edge(nullptr, 0, nullptr, 0);
+    node->ns = std::make_unique<std::string>(*ns);
+    node->parent = root;
+    node->order = root->next_child_order++;
+    Node* raw = node.get();
+    (*root->namespaces)[*ns] = std::move(node);
+    ++num_nodes_;
+    return raw;
+}
+
+void Tree::tick_root() { root_->last_access = ++clock_; }
+
 Node* Tree::match_prefix(const int32_t* tokens, int64_t n, std::vector<Node*>& path,
-                         int64_t& length) {
+                         int64_t& length, const std::string* ns) {
     path.clear();
-    Node* node = walk(tokens, n / page_size_, &path, length);
+    Node* start = namespace_node(ns, false);
+    if (!start) {
+        tick_root();
+        length = 0;
+        return root_.get();
+    }
+    Node* node = walk(start, tokens, n / page_size_, &path, length);
     push_if_evictable_leaf(node);
     return node;
 }
 
 Node* Tree::insert(const int32_t* tokens, int64_t n, const int32_t* pages, int64_t num_pages,
-                   int64_t& prefix_len) {
+                   int64_t& prefix_len, const std::string* ns) {
     const int64_t ps = page_size_;
     const int64_t want = n / ps;
     if (num_pages != want)
         throw std::invalid_argument(std::to_string(n) + " tokens need " + std::to_string(want) +
                                     " pages, got " + std::to_string(num_pages));
-    Node* node = walk(tokens, want, nullptr, prefix_len);
+    // NOTE: an empty insert does not make a namespace node (it would hold nothing)
+    Node* start = namespace_node(ns, want > 0);
+    if (!start) {
+        tick_root();
+        prefix_len = 0;
+        return root_.get();
+    }
+    Node* node = walk(start, tokens, want, nullptr, prefix_len);
     if (prefix_len < want * ps) {
         NodePtr leaf = new_node();
         leaf->set_edge(tokens + prefix_len, want * ps - prefix_len, pages + prefix_len / ps,
@@ -197,11 +239,12 @@ Node* Tree::insert(const int32_t* tokens, int64_t n, const int32_t* pages, int64
     return node;
 }
 
-Node* Tree::walk(const int32_t* tokens, int64_t num_pages, std::vector<Node*>* path,
-                 int64_t& length) {
+Node* Tree::walk(Node* start, const int32_t* tokens, int64_t num_pages,
+                 std::vector<Node*>* path, int64_t& length) {
     const int64_t ps = page_size_;
     const int64_t now = ++clock_;
-    Node* node = root_.get();
+    root_->last_access = now;
+    Node* node = start;
     node->last_access = now;
     const int64_t end = num_pages * ps;
     int64_t off = 0;
@@ -293,6 +336,14 @@ void Tree::unlock(Node* node) {
 
 // ------------------------------------------------------------------------------- eviction
 
+void Tree::unlink(Node* node) {
+    Node* parent = node->parent;
+    if (node->is_namespace())
+        parent->namespaces->erase(*node->ns);
+    else
+        parent->children.take(node);
+}
+
 void Tree::push_if_evictable_leaf(Node* node) {
     if (!node->children.empty() || node->lock_ref || node == root_.get()) return;
     if (node->heap_time == node->last_access) return;  // its live entry is already in the heap
@@ -342,7 +393,7 @@ int64_t Tree::evict(int64_t num_pages, PageSink& sink) {
         if (entry.time == node->heap_time) node->heap_time = -1;
         if (!entry_is_live(entry)) continue;
         Node* parent = node->parent;
-        parent->children.take(node);  // `entry` keeps the node alive
+        unlink(node);  // `entry` keeps the node alive
         node->parent = nullptr;
         --num_nodes_;
         const int64_t size = node->num_pages();
@@ -356,7 +407,7 @@ int64_t Tree::evict(int64_t num_pages, PageSink& sink) {
 
 void Tree::reset(std::vector<int32_t>& released) {
     bool locked = protected_ != 0;
-    root_->children.for_each([&](Node* child) { locked = locked || child->lock_ref != 0; });
+    for (Node* child : root_->ordered_children()) locked = locked || child->lock_ref != 0;
     if (locked) throw std::runtime_error("reset of the radix cache while nodes are locked");
     for (Node* node : nodes())
         released.insert(released.end(), node->pages(), node->pages() + node->num_pages());
@@ -393,13 +444,24 @@ void Tree::check_integrity(bool expect_unlocked) const {
         const std::string name = node->repr();
         const int64_t key_len = node->key_len();
         if (!parent) fail(name + " in the tree has no parent");
-        if (key_len == 0) fail("empty non-root node " + name);
+        if (node->is_namespace()) {
+            if (parent != root) fail("namespace node " + name + " is not a child of the root");
+            if (key_len || node->num_pages()) fail(name + " holds tokens");
+            bool filed = false;
+            if (root->namespaces) {
+                auto it = root->namespaces->find(*node->ns);
+                filed = it != root->namespaces->end() && it->second.get() == node;
+            }
+            if (!filed) fail(name + " not under its name");
+        } else {
+            if (key_len == 0) fail("empty non-root node " + name);
+            if (node->first_hash != hash_of(node->key()) ||
+                parent->children.find(node->key(), node->first_hash, page_size_) != node)
+                fail(name + " is not under its first " + (ps == 1 ? "token" : "page") +
+                     " in its parent");
+        }
         if (key_len % ps) fail(name + " key is not page-aligned");
         if (node->num_pages() != key_len / ps) fail(name + " pages/key length mismatch");
-        if (node->first_hash != hash_of(node->key()) ||
-            parent->children.find(node->key(), node->first_hash, page_size_) != node)
-            fail(name + " is not under its first " + (ps == 1 ? "token" : "page") +
-                 " in its parent");
         if (node->lock_ref < 0) fail(name + " negative lock_ref");
         if (node->last_access > parent->last_access) fail(name + " accessed after its parent");
         int64_t child_locks = 0;

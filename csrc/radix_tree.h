@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -117,11 +118,21 @@ public:
     uint64_t order = 0;
     uint64_t next_child_order = 0;
     int32_t page_size;
+    // A namespace node (a child of the root holding no tokens, where a salted namespace's
+    // prefixes start) has its name here; nullptr for every other node.
+    std::unique_ptr<std::string> ns;
+    // The root only: its namespace nodes by name (nullptr until the first one). They are the
+    // root's children too (ordered_children() and `order` mix them with the token children).
+    std::unique_ptr<std::map<std::string, NodePtr>> namespaces;
     // The bindings' Python handle of this node while one exists (a borrowed pointer that the
     // handle clears when it dies), so that a node always has the same Python object.
     void* py_handle = nullptr;
 
-    std::vector<Node*> ordered_children() const;
+    bool is_namespace() const { return ns != nullptr; }
+    bool has_children() const {
+        return !children.empty() || (namespaces && !namespaces->empty());
+    }
+    std::vector<Node*> ordered_children() const;  // namespace nodes included
     std::string repr() const;
 };
 
@@ -132,14 +143,16 @@ public:
     Tree(const Tree&) = delete;
     Tree& operator=(const Tree&) = delete;
 
-    // Longest cached page-aligned prefix of tokens[0:n]. Fills `path` with the matched nodes
-    // (root excluded, top-down) and returns the deepest one; `length` gets the matched tokens.
+    // Longest cached page-aligned prefix of tokens[0:n] in namespace `ns` (nullptr: the public
+    // one). Fills `path` with the matched token nodes (top-down) and returns the deepest node;
+    // `length` gets the matched tokens.
     Node* match_prefix(const int32_t* tokens, int64_t n, std::vector<Node*>& path,
-                       int64_t& length);
-    // Cache tokens[0:n]'s page-aligned part with `pages` (n / page_size of them); returns the
-    // node ending at the key's end, and the tokens that were already cached in `prefix_len`.
+                       int64_t& length, const std::string* ns = nullptr);
+    // Cache tokens[0:n]'s page-aligned part with `pages` (n / page_size of them) in namespace
+    // `ns`; returns the node ending at the key's end, and the tokens that were already cached
+    // in `prefix_len`.
     Node* insert(const int32_t* tokens, int64_t n, const int32_t* pages, int64_t num_pages,
-                 int64_t& prefix_len);
+                 int64_t& prefix_len, const std::string* ns = nullptr);
     void lock(Node* node);
     void unlock(Node* node);
     // Evicts LRU unlocked leaves until `num_pages` are freed; appends their pages to `released`.
@@ -180,8 +193,13 @@ private:
     NodePtr new_node();
     void new_tree();
     void dismantle();
-    Node* walk(const int32_t* tokens, int64_t num_pages, std::vector<Node*>* path,
+    Node* walk(Node* start, const int32_t* tokens, int64_t num_pages, std::vector<Node*>* path,
                int64_t& length);
+    // Where a walk in `ns` starts: the root for nullptr, else the namespace node (made when
+    // `create`; nullptr when it does not exist).
+    Node* namespace_node(const std::string* ns, bool create);
+    void tick_root();  // what a walk that finds no namespace node does
+    void unlink(Node* node);  // takes `node` out of its parent's children
     uint64_t hash_of(const int32_t* page) const { return hash_page(page, page_size_); }
     Node* split(Node* child, int64_t at);
     void push_if_evictable_leaf(Node* node);

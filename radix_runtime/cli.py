@@ -30,6 +30,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"radix-runtime: {exc}", file=sys.stderr)
             return 2
+        from radix_runtime.model_source import ModelNotFound, resolve_model
+        from radix_runtime.worker.model_config import UnsupportedModel, preflight
+
+        try:  # before any child process starts
+            preflight(resolve_model(args.model, args.load_format, args.model_config))
+        except (UnsupportedModel, ModelNotFound) as exc:
+            print(f"radix-runtime: {exc}", file=sys.stderr)
+            return 2
+        if args.dp > 1:
+            from radix_runtime.dp.supervisor import run_dp
+
+            return run_dp(args)
         from radix_runtime.server.run import run_server
 
         return run_server(args)

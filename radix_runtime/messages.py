@@ -1,10 +1,12 @@
 """Typed messages between the processes: msgspec Structs, msgpack-encoded, token arrays as raw int32.
 
 Flows:
-    tokenizer -> scheduler : GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, ShutdownReq
-    scheduler -> tokenizer : BatchOutput, ServerInfo, FlushCacheDone, SchedulerReady, FatalError
-    scheduler -> worker    : ForwardBatch, ShutdownReq
-    worker    -> scheduler : WorkerReady, ForwardResult, FatalError
+    tokenizer -> scheduler : GenerateReq, AbortReq, FlushCacheReq, ServerInfoReq, MetricsReq,
+                             CacheTreeReq, ShutdownReq
+    scheduler -> tokenizer : BatchOutput, ServerInfo, FlushCacheDone, SchedulerMetrics, CacheTree,
+                             SchedulerReady, FatalError
+    scheduler -> worker    : ForwardBatch, CompileGrammar, ShutdownReq
+    worker    -> scheduler : WorkerReady, ForwardResult, GrammarCompiled, FatalError
 
 Every message is a tagged Struct inside one union, so a single decoder reads any frame and a
 foreign or malformed frame raises ``msgspec.DecodeError`` / ``msgspec.ValidationError`` (the
@@ -48,6 +50,12 @@ class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
 # sampling
 
 
+# `SamplingParams.json_schema` meaning "any JSON value" (SGLang's spelling); `{"type": "object"}`
+# is any JSON object (what OpenAI's response_format json_object asks for)
+ANY_JSON = "$$ANY$$"
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick the next token. ``temperature == 0`` means greedy."""
 
@@ -63,6 +71,26 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logit_bias: dict[int, float] = {}
+    # constrained decoding (at most one of the three; see docs/structured_output.md):
+    # a regex, a JSON schema as JSON text (ANY_JSON: any JSON value), an EBNF grammar
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens were generated
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar constraining the output, None when unconstrained; the
+        kind is "regex", "json_schema", "json" (any JSON value) or "ebnf"."""
+        if self.json_schema is not None:
+            if self.json_schema == ANY_JSON:
+                return ("json", "")
+            return ("json_schema", self.json_schema)
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.ebnf is not None:
+            return ("ebnf", self.ebnf)
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +118,9 @@ class GenerateReq(_Msg):
     # >= 0: also return the logprob of every prompt token at positions >= this index
     # (the prefix match is capped so those positions are computed, not read from the cache)
     logprob_start_len: int = -1
+    # the radix tree namespace the request shares cached KV in ("": the public one); set by the
+    # tokenizer process from the cache salt and/or the caller's API key, never sent raw
+    cache_namespace: str = ""
 
 
 class AbortReq(_Msg):
@@ -103,6 +134,11 @@ class FlushCacheReq(_Msg):
 class FlushCacheDone(_Msg):
     ok: bool
     message: str = ""
+    # what the flush dropped (every unlocked node) and what running requests still hold
+    dropped_nodes: int = 0
+    dropped_pages: int = 0
+    dropped_tokens: int = 0
+    kept_pages: int = 0
 
 
 class ServerInfoReq(_Msg):
@@ -119,6 +155,31 @@ class CacheStats(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
     prompt_tokens: int = 0
     tree: str = ""  # the radix tree implementation in use: "cpp" or "python"
+    # the host tier (all 0 without --enable-hierarchical-cache); host_cached_tokens: prompt
+    # tokens served by loading from the host (part of cached_tokens)
+    host_total_pages: int = 0
+    host_free_pages: int = 0
+    host_evictable_pages: int = 0
+    host_cached_tokens: int = 0
+    host_loads: int = 0
+    host_loaded_bytes: int = 0
+    host_written_bytes: int = 0
+    host_load_s: float = 0.0
+    host_recomputed_tokens: int = 0  # host hits recomputed (the load did not pay, or no room)
+    host_load_bandwidth: float = 0.0  # bytes/s of a host -> device copy, measured at start
+
+
+class GrammarStats(msgspec.Struct, frozen=True):
+    """Constrained decoding since start: requests with a grammar, how many found it compiled
+    (the scheduler's cache of what the worker compiled), and the worker's compile times."""
+
+    requests: int = 0
+    cache_hits: int = 0
+    compiles: int = 0
+    failed: int = 0
+    compile_p50_s: float = 0.0
+    compile_p99_s: float = 0.0
+    compile_max_s: float = 0.0
 
 
 class ServerInfo(_Msg):
@@ -130,8 +191,69 @@ class ServerInfo(_Msg):
     context_length: int
     vocab_size: int
     decode_steps: int = 0
+    steps: int = 0  # forward steps sent to the worker
+    jumped_tokens: int = 0  # output tokens appended by jump-forward decoding
+    grammar: GrammarStats | None = None
     retractions: int = 0
     integrity_checks: int = 0
+    kv_cache_dtype: str = ""  # the KV pool's element type (fp8_e4m3 holds twice bf16's tokens)
+    quantization: str = "none"  # the weights' format
+
+
+class MetricsReq(_Msg):
+    pass
+
+
+class HistogramDelta(msgspec.Struct, array_like=True):
+    counts: list[int]  # per bucket (utils.histogram's bounds, +Inf last), since the last report
+    sum: float
+
+
+class SchedulerMetrics(_Msg):
+    """The scheduler's (and, through ForwardResult, the worker's) numbers for /metrics: gauges as
+    they are now, counters and histograms as increments since the previous SchedulerMetrics, so
+    the HTTP process owns the totals and they only ever grow."""
+
+    running_requests: int
+    waiting_requests: int
+    total_pages: int
+    free_pages: int
+    evictable_pages: int
+    protected_pages: int
+    page_size: int
+    tree_nodes: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
+    generation_tokens: int = 0
+    retractions: int = 0
+    evicted_pages: int = 0
+    histograms: dict[str, HistogramDelta] = {}
+
+
+class CacheTreeReq(_Msg):
+    max_depth: int = 4
+    max_children: int = 8  # per node, the largest subtrees; the rest are summed into `other`
+    max_nodes: int = 20000  # nodes visited to size subtrees; past it the sizes are lower bounds
+
+
+class CacheTreeNode(msgspec.Struct, array_like=True):
+    parent: int  # index into CacheTree.nodes, -1 for the root
+    tokens: int  # on this edge
+    subtree_tokens: int  # on this edge and below it
+    pages: int
+    locked: bool
+    age: int  # LRU clock ticks since the last match or insert through it (0: the newest)
+    head: bytes  # int32: the edge's first tokens
+    other_children: int = 0  # children left out (max_children)
+    other_tokens: int = 0  # tokens under them
+
+
+class CacheTree(_Msg):
+    nodes: list[CacheTreeNode]
+    total_nodes: int  # in the tree (the root excluded)
+    visited: int
+    truncated: bool  # max_nodes stopped the walk: subtree sizes are lower bounds
 
 
 class ReqOutput(msgspec.Struct, omit_defaults=True):
@@ -143,6 +265,7 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     matched_stop: int | None = None  # the stop token id that ended it
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
     output_logprobs: bytes = b""  # float32, one per new id
     # top-k per new id: k ids and k logprobs each, flattened
     top_ids: bytes = b""
@@ -150,6 +273,9 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     # prompt logprobs for positions [prompt_logprob_start, ...) gained this step
     prompt_logprob_start: int = -1
     prompt_logprobs: bytes = b""
+    # with top_logprobs_num = k > 0: the top-k ids and logprobs of each of those positions
+    prompt_top_ids: bytes = b""
+    prompt_top_logprobs: bytes = b""
     error: str | None = None
     error_code: str | None = None
 
@@ -203,7 +329,8 @@ class ForwardReq(msgspec.Struct, omit_defaults=True):
     next_token: int = -1  # the prompt token after this chunk (for prompt logprobs), -1 if none
     # with new_slot, when the request uses penalties: the tokens before start_pos (cached or
     # computed in an earlier slot) and the outputs generated before a retraction, so
-    # repetition/frequency/presence penalties see the whole history
+    # repetition/frequency/presence penalties see the whole history; prior_output_ids also
+    # with a grammar (its matcher replays them) or min_tokens (they count)
     history_ids: bytes = b""  # int32
     prior_output_ids: bytes = b""  # int32
     # overlap schedule: the single input token is the one this slot sampled in the worker's
@@ -217,20 +344,55 @@ class ForwardBatch(_Msg):
     reqs: list[ForwardReq]
     # slots whose per-request worker state (seeded generator, penalty counts) can be dropped
     released_slots: list[int] = []
+    # the host KV tier (docs/hicache.md): copies the worker makes before this step's model runs,
+    # as int32 page-id buffers, one id per page: device -> host writes, then host -> device loads
+    write_src: bytes = b""
+    write_dst: bytes = b""
+    load_src: bytes = b""
+    load_dst: bytes = b""
+    # the step overwrites device pages a write of this batch reads: it waits for the writes
+    writes_block: bool = False
 
 
 class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     next_id: int = -1  # -1 when sample was False
+    # constrained: the grammar ended with next_id (it accepted a stop token), or next_id broke it
+    grammar_done: bool = False
+    grammar_error: str | None = None
+    # --enable-jump-forward: tokens the grammar forces after next_id (already accepted by its
+    # matcher): outputs that the next step computes in one go instead of a decode step each
+    jump_ids: bytes = b""  # int32
     logprob: float = 0.0
     top_ids: bytes = b""
     top_logprobs: bytes = b""
     prompt_logprobs: bytes = b""  # float32, one per input position whose target is known
+    # with top_logprobs_num = k > 0: k per such position (echo of prompt logprobs)
+    prompt_top_ids: bytes = b""  # int32
+    prompt_top_logprobs: bytes = b""  # float32
 
 
 class ForwardResult(_Msg):
     step: int
     results: list[ForwardReqResult]
     forward_s: float = 0.0
+    load_s: float = 0.0  # the host -> device loads of this step, as the copy stream timed them
+
+
+class CompileGrammar(_Msg):
+    """Compile a grammar (SamplingParams.grammar's kind and text) ahead of the requests using it."""
+
+    kind: str
+    text: str
+
+
+class GrammarCompiled(_Msg):
+    """A CompileGrammar's outcome: `error` set when the grammar is invalid."""
+
+    kind: str
+    text: str
+    error: str | None = None
+    compile_s: float = 0.0
+    cache_hit: bool = False
 
 
 class WorkerReady(_Msg):
@@ -242,6 +404,13 @@ class WorkerReady(_Msg):
     device: str
     dtype: str
     attention_backend: str
+    # the host KV tier: its pages (0: none, including the reserved page 0), bytes of KV per
+    # token, and the host-to-device copy bandwidth measured at start (bytes/s)
+    host_num_pages: int = 0
+    kv_bytes_per_token: int = 0
+    load_bandwidth: float = 0.0
+    kv_cache_dtype: str = ""  # the KV pool's element type: bfloat16, float32, fp8_e4m3...
+    quantization: str = "none"  # the weights': none | fp8 | awq | gptq (worker/quant.py)
 
 
 Message = Union[
@@ -251,12 +420,18 @@ Message = Union[
     FlushCacheDone,
     ServerInfoReq,
     ServerInfo,
+    MetricsReq,
+    SchedulerMetrics,
+    CacheTreeReq,
+    CacheTree,
     BatchOutput,
     SchedulerReady,
     FatalError,
     ShutdownReq,
     ForwardBatch,
     ForwardResult,
+    CompileGrammar,
+    GrammarCompiled,
     WorkerReady,
 ]
 

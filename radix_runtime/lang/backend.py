@@ -7,6 +7,7 @@ needs nothing beyond the runtime's own dependencies and never imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import threading
@@ -141,12 +142,22 @@ class Backend:
         """Continue ``prompt``; with ``on_text`` stream, calling it with each new piece."""
         raise NotImplementedError
 
+    def generate_n(self, prompt: str, params: GenParams, n: int) -> list[GenResult]:
+        """``n`` independent continuations of ``prompt`` (``gen(n=...)``)."""
+        return [self.generate(prompt, params) for _ in range(n)]
+
     def select(self, prompt: str, choices: Sequence[str]) -> SelectResult:
         raise NotImplementedError
 
     def cache_prefix(self, prompt: str) -> int:
         """Compute ``prompt`` once so the radix tree holds it (a zero-token generate); returns
         its length in tokens."""
+        raise NotImplementedError
+
+    def flush_cache(self) -> dict:
+        raise NotImplementedError
+
+    def get_server_info(self) -> dict:
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -162,10 +173,19 @@ class Backend:
 class RuntimeEndpoint(Backend):
     """A running ``radix-runtime serve`` at ``url``."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float | None = 600) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout: float | None = 600,
+        cache_salt: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
+        # every /generate request carries it: the program's prefixes are cached in its own
+        # namespace, shared only with requests of the same salt (docs/tenancy.md)
+        self.cache_salt = cache_salt
         host = urllib.parse.urlsplit(self.url).hostname or ""
         # proxies from the environment must not capture a server on this machine
         handlers = [urllib.request.ProxyHandler({})] if _is_loopback(host) else []
@@ -182,6 +202,8 @@ class RuntimeEndpoint(Backend):
         headers = {"Accept": "application/json"}
         data = None
         if body is not None:
+            if self.cache_salt is not None and path == "/generate":
+                body = {**body, "cache_salt": self.cache_salt}
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
         if self.api_key:
@@ -250,7 +272,11 @@ class RuntimeEndpoint(Backend):
     def generate(
         self, prompt: str, params: GenParams, on_text: Callable[[str], None] | None = None
     ) -> GenResult:
-        body = {"text": prompt, "sampling_params": params.to_sampling_params()}
+        body = {
+            "text": prompt,
+            "sampling_params": params.to_sampling_params(),
+            **params.request_options(),
+        }
         if on_text is None:
             out = self.request("POST", "/generate", body)
             return GenResult(out["text"], out["meta_info"])
@@ -263,6 +289,25 @@ class RuntimeEndpoint(Backend):
                 text = new
             meta = event["meta_info"]
         return GenResult(text, meta)
+
+    def generate_n(self, prompt: str, params: GenParams, n: int) -> list[GenResult]:
+        """One batched ``/generate`` of ``n`` copies of the prompt (the radix tree computes the
+        prompt once). A seeded gen gives copy ``i`` the seed ``seed + i`` so that the copies
+        differ; those go as ``n`` requests, one seed each."""
+        if params.seed is not None:
+            return [
+                self.generate(prompt, dataclasses.replace(params, seed=params.seed + i))
+                for i in range(n)
+            ]
+        body = {
+            "text": [prompt] * n,
+            "sampling_params": params.to_sampling_params(),
+            **params.request_options(),
+        }
+        return [
+            GenResult(out["text"], out["meta_info"])
+            for out in self.request("POST", "/generate", body)
+        ]
 
     def cache_prefix(self, prompt: str) -> int:
         out = self.request(

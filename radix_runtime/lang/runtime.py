@@ -33,7 +33,8 @@ class Runtime(Backend):
         with rr.Runtime() as runtime:            # the default model, SmolLM2 on CPU
             state = program.run(backend=runtime)
 
-    ``server_args`` are the ``radix-runtime serve`` flags as keywords (``page_size=16``,
+    ``model_path=`` (SGLang's name) is ``model=``. ``server_args`` are the ``radix-runtime serve``
+    flags as keywords (``page_size=16``,
     ``disable_radix_cache=True``). The server's output goes to ``log_path`` (by default a temp file,
     removed at shutdown)."""
 
@@ -46,8 +47,11 @@ class Runtime(Backend):
         api_key: str | None = None,
         log_path: str | None = None,
         startup_timeout: float = 600,
+        model_path: str | None = None,
         **server_args: Any,
     ) -> None:
+        if model_path is not None:  # SGLang's name for the model
+            model = model_path
         self.port = port or _free_port()
         self.url = f"http://{host}:{self.port}"
         flags = ["--model", model, "--host", host, "--port", str(self.port)]
@@ -126,8 +130,20 @@ class Runtime(Backend):
     ) -> GenResult:
         return self.endpoint.generate(prompt, params, on_text)
 
+    def generate_n(self, prompt: str, params: GenParams, n: int) -> list[GenResult]:
+        return self.endpoint.generate_n(prompt, params, n)
+
     def select(self, prompt: str, choices: Sequence[str]) -> SelectResult:
         return self.endpoint.select(prompt, choices)
+
+    def get_model_info(self) -> dict:
+        return self.endpoint.get_model_info()
+
+    def get_server_info(self) -> dict:
+        return self.endpoint.get_server_info()
+
+    def flush_cache(self) -> dict:
+        return self.endpoint.flush_cache()
 
     def cache_prefix(self, prompt: str) -> int:
         return self.endpoint.cache_prefix(prompt)

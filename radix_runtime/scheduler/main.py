@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from radix_runtime import kv_events
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.stats import SchedulerStats, cache_tree
 from radix_runtime.utils.procs import (
     configure_logging,
     endpoint,
@@ -27,6 +29,32 @@ logger = logging.getLogger("radix_runtime.scheduler")
 
 class WorkerLost(RuntimeError):
     pass
+
+
+def advance(sched, inflight: tuple | None, send, finish) -> tuple[tuple | None, bool]:
+    """One turn of the step loop, the same for the scheduler process and for every test driver
+    (which pass their own transport): schedule a step when none is in flight; with one in flight
+    (`(plan, handle)`), build the next one with `Scheduler.schedule_ahead` and send it before
+    finishing the in-flight one (the overlap schedule; None there: the in-flight result is
+    processed first and the next turn schedules as usual).
+
+    `send(batch, plan) -> handle` hands a batch to the worker; `finish(plan, handle)` waits for
+    its result and processes it (`Scheduler.process_result`). Returns (what is in flight now,
+    whether a step was finished): anything still in flight was built ahead."""
+    if inflight is None:
+        scheduled = sched.schedule()
+        if scheduled is not None:
+            batch, plan = scheduled
+            inflight = (plan, send(batch, plan))
+    if inflight is None:
+        return None, False
+    ahead = sched.schedule_ahead(inflight[0])
+    following = None
+    if ahead is not None:
+        batch, plan = ahead
+        following = (plan, send(batch, plan))
+    finish(*inflight)
+    return following, True
 
 
 @dataclass
@@ -50,6 +78,18 @@ class SchedulerProcess:
         self.to_worker = zmq_socket(self.ctx, zmq.PUSH, endpoint(ipc_dir, "worker"), bind=False)
         self.scheduler = None
         self.running = True
+        # KV-cache events (kv_events.py): a PUB socket, and a ROUTER answering snapshot requests
+        self.kv_pub = self.kv_replay = None
+        if args.kv_events_endpoint:
+            self.kv_pub = self.ctx.socket(zmq.PUB)
+            self.kv_pub.setsockopt(zmq.LINGER, 0)
+            self.kv_pub.setsockopt(zmq.SNDHWM, 100_000)  # past it a slow subscriber loses batches
+            self.kv_pub.bind(args.kv_events_endpoint)
+        if args.kv_events_replay_endpoint:
+            self.kv_replay = zmq_socket(
+                self.ctx, zmq.ROUTER, args.kv_events_replay_endpoint, bind=True
+            )
+        self._last_result_at = 0.0  # when the latest step result came back (for step_time)
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -106,7 +146,15 @@ class SchedulerProcess:
         if isinstance(msg, m.FatalError):
             self.send_tok(msg)
             raise WorkerLost(f"the worker failed: {msg.message}")
+        if isinstance(msg, m.GrammarCompiled) and self.scheduler is not None:
+            self.scheduler.grammar_compiled(msg)
+            return None
         return msg
+
+    def send_worker_messages(self) -> None:
+        """Grammars to compile, sent before the next step (the worker compiles them aside)."""
+        for msg in self.scheduler.take_worker_messages():
+            self.to_worker.send(m.encode(msg))
 
     def handle(self, msg) -> None:
         sched = self.scheduler
@@ -119,13 +167,38 @@ class SchedulerProcess:
             self.send_tok(sched.server_info())
         elif isinstance(msg, m.FlushCacheReq):
             self.send_tok(sched.flush_cache())
+        elif isinstance(msg, m.MetricsReq):
+            # NOTE: answered even with --disable-metrics (gauges only), so a request never hangs
+            self.send_tok((sched.stats or SchedulerStats()).report(sched))
+        elif isinstance(msg, m.CacheTreeReq):
+            self.send_tok(
+                cache_tree(sched.cache, max(msg.max_depth, 0), max(msg.max_children, 1),
+                           max(msg.max_nodes, 1))
+            )  # fmt: skip
         elif isinstance(msg, m.ShutdownReq):
             self.running = False
         elif msg is not None:
             logger.warning("ignored an unexpected %s from the tokenizer", type(msg).__name__)
 
-    def drain_tokenizer(self, timeout_ms: int) -> None:
-        if not self.from_tok.poll(timeout_ms):
+    def drain_inputs(self, timeout_ms: int, worker: bool) -> None:
+        """Requests from the tokenizer; with `worker` (no step in flight: `finish_step` reads the
+        worker otherwise) also the worker's compiled-grammar reports, which an idle scheduler
+        waits for too."""
+        poller = zmq.Poller()
+        poller.register(self.from_tok, zmq.POLLIN)
+        if worker:
+            poller.register(self.from_worker, zmq.POLLIN)
+        if self.kv_replay is not None:  # KV-events snapshot requests
+            poller.register(self.kv_replay, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if self.kv_replay is not None and self.kv_replay in ready:
+            self.serve_kv_snapshots()
+        if worker and self.from_worker in ready:
+            while self.from_worker.poll(0):
+                msg = self._recv_worker(timeout_ms=0)
+                if msg is not None:
+                    logger.warning("ignored an unexpected %s from the worker", type(msg).__name__)
+        if self.from_tok not in ready:
             return
         while True:
             try:
@@ -134,11 +207,38 @@ class SchedulerProcess:
                 return
             self.handle(self._decode(frame, "tokenizer"))
 
+    def publish_kv_events(self) -> None:
+        events = self.scheduler.kv_events if self.scheduler is not None else None
+        if events is None or self.kv_pub is None:
+            return
+        batch = events.take_batch()
+        if batch is not None:
+            seq = batch.seq.to_bytes(8, "big")
+            self.kv_pub.send_multipart([kv_events.TOPIC, seq, kv_events.encode(batch)])
+
+    def serve_kv_snapshots(self) -> None:
+        """Answer every snapshot request waiting on the replay socket (frames: the envelope,
+        then b"snapshot"; the reply: the envelope, seq as 8 bytes big-endian, the Snapshot)."""
+        while True:
+            try:
+                frames = self.kv_replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self.scheduler is None or self.scheduler.kv_events is None:
+                continue
+            if frames[-1] != kv_events.SNAPSHOT_REQUEST:
+                logger.warning("ignored a KV-events replay request %r", frames[-1][:32])
+                continue
+            self.publish_kv_events()  # the snapshot then covers exactly the batches sent
+            snap = self.scheduler.kv_events.snapshot()
+            seq = snap.seq.to_bytes(8, "big", signed=True)
+            self.kv_replay.send_multipart([*frames[:-1], seq, kv_events.encode(snap)])
+
     def send_batch(self, batch: m.ForwardBatch, plan) -> InFlight:
         self.to_worker.send(m.encode(batch), copy=False)
         return InFlight(batch, plan, time.perf_counter())
 
-    def finish_step(self, step: InFlight) -> None:
+    def finish_step(self, plan: list, step: InFlight) -> None:
         """Wait for a sent step's result (the watchdog: at most --watchdog-timeout from its
         sending, after the steps before it) and process it."""
         batch, plan = step.batch, step.plan
@@ -155,8 +255,17 @@ class SchedulerProcess:
                 raise WorkerLost(message)
             msg = self._recv_worker(timeout_ms=int(min(remaining, 1.0) * 1000) + 1)
             if isinstance(msg, m.ForwardResult) and msg.step == batch.step:
+                received = time.perf_counter()
                 if logger.isEnabledFor(logging.DEBUG):
-                    self._log_step(batch, plan, msg, time.perf_counter() - step.sent_at)
+                    self._log_step(batch, plan, msg, received - step.sent_at)
+                stats = self.scheduler.stats
+                if stats is not None:
+                    # the time this step held the pipeline: from its sending, or from the
+                    # previous step's result when it queued behind that step (overlap)
+                    began = max(step.sent_at, self._last_result_at)
+                    tokens = sum(p.num_tokens for p in plan)
+                    stats.step(len(plan), tokens, received - began, msg.forward_s)
+                self._last_result_at = received
                 self.scheduler.process_result(plan, msg)
                 return
 
@@ -181,26 +290,21 @@ class SchedulerProcess:
         sent the next one is built and sent before N's result is processed when that is easy
         (`Scheduler.schedule_ahead`), so the worker receives N+1 while it computes N; otherwise
         (and with --disable-overlap-schedule) N's result is processed first and the next step
-        is scheduled as usual."""
+        is scheduled as usual (`advance`)."""
         sched = self.scheduler
         checked_idle = False
-        inflight: InFlight | None = None  # sent, result not processed yet
+        inflight: tuple[list, InFlight] | None = None  # sent, result not processed yet
         while self.running:
             busy = sched.has_work() or inflight is not None
-            self.drain_tokenizer(timeout_ms=0 if busy else 500)
-            if inflight is None:
-                scheduled = sched.schedule()
-                if scheduled is not None:
-                    inflight = self.send_batch(*scheduled)
-            if inflight is not None:
-                ahead = sched.schedule_ahead(inflight.plan)
-                following = self.send_batch(*ahead) if ahead is not None else None
-                self.finish_step(inflight)
-                inflight = following
+            self.drain_inputs(timeout_ms=0 if busy else 500, worker=inflight is None)
+            self.send_worker_messages()
+            inflight, finished = advance(sched, inflight, self.send_batch, self.finish_step)
+            if finished:
                 checked_idle = False
             outputs = sched.take_outputs()
             if outputs:
                 self.send_tok(m.BatchOutput(outputs=outputs))
+            self.publish_kv_events()
             if not sched.has_work() and inflight is None and not checked_idle:
                 sched.check_integrity()  # NOTE: a real check; a failure is a bug, so it is fatal
                 checked_idle = True

@@ -32,6 +32,14 @@ from radix_runtime.scheduler.radix_cache import (
     check_page_ownership,
 )
 
+if not hasattr(_radix_tree.TreeNode, "namespace"):
+    # NOTE: a copy built from older sources takes no namespace argument; refusing it here makes
+    # `--radix-tree-impl auto` fall back to the Python tree (with a warning) instead of failing
+    raise ImportError(
+        "the C++ radix tree extension predates cache namespaces: rebuild it "
+        "(`python setup.py build_ext --inplace`)"
+    )
+
 TreeNode = _radix_tree.TreeNode
 # The twin of allocator.PageAllocator (same interface, same LIFO order, same checks and errors):
 # evictions free thousands of pages at a time, which the numpy allocator checks slower than the
@@ -108,12 +116,12 @@ class CppRadixCache:
 
     # ---- match / insert ----
 
-    def match_prefix(self, tokens) -> MatchResult:
+    def match_prefix(self, tokens, namespace: str | None = None) -> MatchResult:
         if self.disable:
             return MatchResult(_EMPTY, 0, self._tree.root)
-        return self._tree.match_prefix(tokens)
+        return self._tree.match_prefix(tokens, namespace)
 
-    def insert(self, tokens, pages) -> InsertResult:
+    def insert(self, tokens, pages, namespace: str | None = None) -> InsertResult:
         if self.disable:  # all "duplicates": the caller frees them
             tokens = _as_tokens(tokens)
             num_pages = len(tokens) // self.page_size
@@ -122,7 +130,7 @@ class CppRadixCache:
                     f"{len(tokens)} tokens need {num_pages} pages, got {np.asarray(pages).size}"
                 )
             return InsertResult(num_pages * self.page_size, self._tree.root)
-        return self._tree.insert(tokens, pages)
+        return self._tree.insert(tokens, pages, namespace)
 
     # ---- locks ----
 
@@ -135,12 +143,22 @@ class CppRadixCache:
     # ---- eviction ----
 
     def evict(self, num_pages: int) -> int:
-        if self._cpp_allocator:
+        if self._cpp_allocator and self.on_evict is None:
             return self._tree.evict_into(num_pages)
         freed, pages = self._tree.evict(num_pages)
         if freed:
             self.allocator.free(pages)
+            if self.on_evict is not None:
+                self.on_evict(pages)
         return freed
+
+    on_evict = None
+
+    def set_evict_observer(self, on_evict) -> None:
+        """`on_evict(page_ids)` after every eviction (KV-cache events): evicted pages then come
+        back through Python, also with the C++ allocator."""
+        self.on_evict = on_evict
+        self.__dict__.pop("evict", None)
 
     def reset(self) -> None:
         if self._cpp_allocator:

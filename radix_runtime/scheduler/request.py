@@ -89,6 +89,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    namespace: str | None = None  # the radix tree namespace it shares KV in (None: public)
 
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
@@ -107,10 +108,14 @@ class Req:
     pending_token: bool = False
 
     # accounting
+    arrived_at: float = 0.0  # time.perf_counter() at the scheduler
+    admitted_at: float = 0.0  # first admitted to a step
     cached_tokens: int = -1  # prefix length matched the first time the request was scheduled
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
     retractions: int = 0
     finish_reason: str | None = None
     matched_stop: int | None = None
+    error: str | None = None
 
     @property
     def all_len(self) -> int:

@@ -18,18 +18,25 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from radix_runtime.config import ServerArgs
+from radix_runtime.grammar import SCHEDULER_KNOWN_GRAMMARS
+from radix_runtime.kv_events import KvEventLog
 from radix_runtime.messages import (
     CacheStats,
+    CompileGrammar,
     FlushCacheDone,
     ForwardBatch,
     ForwardReq,
     ForwardResult,
     GenerateReq,
+    GrammarCompiled,
+    GrammarStats,
     ReqOutput,
     ServerInfo,
     WorkerReady,
@@ -43,6 +50,7 @@ from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.policy import order_waiting
 from radix_runtime.scheduler.radix_cache import RadixCache
 from radix_runtime.scheduler.request import PageRow, Req, ReqState
+from radix_runtime.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,14 @@ IN_BATCH_SHARE_THRESHOLD = 32
 
 # an output token sampled by the in-flight step, not known yet (only while schedule_ahead runs)
 PENDING_TOKEN = -1
+
+# The host tier's cost model (docs/hicache.md): loading n tokens costs LOAD_LATENCY_S +
+# n * kv_bytes_per_token / load_bandwidth (measured by the worker at start); recomputing them
+# costs n / prefill tokens-per-second (measured on prefill steps of at least
+# PREFILL_SAMPLE_MIN_TOKENS tokens, an exponential average). Until a prefill was measured,
+# loads are taken.
+LOAD_LATENCY_S = 50e-6
+PREFILL_SAMPLE_MIN_TOKENS = 32
 
 
 @dataclass
@@ -70,10 +86,23 @@ class Scheduler:
         self.page_size = worker.page_size
         self.context_length = worker.context_length
         self.vocab_size = worker.vocab_size
+        self.kv_cache_dtype, self.quantization = worker.kv_cache_dtype, worker.quantization
         self.eos_ids = set(worker.eos_token_ids)
         self.allocator = PageAllocator(worker.num_pages)
+        # the host tier (--enable-hierarchical-cache): the worker sized and allocated its pool
+        self.host_allocator = None
+        if worker.host_num_pages > 1 and not args.disable_radix_cache:
+            self.host_allocator = PageAllocator(worker.host_num_pages)
+        self.kv_bytes_per_token = worker.kv_bytes_per_token
+        self.load_bandwidth = worker.load_bandwidth
+        self.prefill_tps = 0.0  # measured prefill tokens per second (the cost model's)
         self.cache = make_radix_cache(
-            args.radix_tree_impl, self.page_size, self.allocator, disable=args.disable_radix_cache
+            args.radix_tree_impl,
+            self.page_size,
+            self.allocator,
+            disable=args.disable_radix_cache,
+            host_allocator=self.host_allocator,
+            write_through=args.hicache_write_policy == "write_through",
         )
         self.tree_impl = "python" if isinstance(self.cache, RadixCache) else "cpp"
         self.max_running = args.max_running_requests
@@ -83,14 +112,37 @@ class Scheduler:
         self.free_slots = list(range(self.max_running - 1, -1, -1))
         self.released_slots: list[int] = []
         self.outbox: list[ReqOutput] = []  # replies for the tokenizer process, sent after each step
+        # constrained decoding: a request whose grammar the worker has not compiled yet waits
+        # here (not in `waiting`) until the worker reports it compiled (or invalid)
+        self.grammar_waiting: dict[tuple[str, str], list[Req]] = {}
+        self.known_grammars: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.worker_outbox: list[CompileGrammar] = []  # sent to the worker before the next step
+        self.grammar_requests = self.grammar_hits = self.grammar_compiles = self.grammar_failed = 0
+        self.compile_times: deque[float] = deque(maxlen=1000)  # the latest compiles (seconds)
         self.step_id = 0
         self.arrivals = 0
         # statistics
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.decode_steps = 0
+        self.jumped_tokens = 0  # output tokens appended by jump-forward (no decode step each)
         self.retractions = 0
         self.integrity_checks = 0
+        self.host_cached_tokens_total = 0
+        self.host_recomputed_tokens = 0
+        self.host_loads = 0
+        self.host_loaded_bytes = 0
+        self.host_written_bytes = 0
+        self.host_load_s = 0.0
+        # /metrics: increments since the last report (none with --disable-metrics)
+        self.stats = None if args.disable_metrics else SchedulerStats()
+        # --kv-events-endpoint: what enters and leaves the tree, as events (kv_events.py)
+        self.kv_events: KvEventLog | None = None
+        if args.kv_events_endpoint and not self.cache.disable:
+            self.kv_events = KvEventLog(self.page_size, args.dp_rank)
+            self.cache.set_evict_observer(self.kv_events.evicted)
+            if self.host_allocator is not None:
+                self.cache.set_tier_observer(self.kv_events.tier_moved)
 
     # -----------------------------------------------------------------------------------------
     # requests in
@@ -128,10 +180,50 @@ class Scheduler:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            namespace=msg.cache_namespace or None,
+            arrived_at=time.perf_counter(),
         )
         self.arrivals += 1
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        key = msg.sampling.grammar
+        if key is not None:
+            self.grammar_requests += 1
+        if key is None or key in self.known_grammars:
+            if key is not None:
+                self.known_grammars.move_to_end(key)
+                self.grammar_hits += 1
+            self.waiting.append(req)
+        elif key in self.grammar_waiting:  # compiling now: no compile of its own either
+            self.grammar_waiting[key].append(req)
+            self.grammar_hits += 1
+        else:
+            self.grammar_waiting[key] = [req]
+            self.worker_outbox.append(CompileGrammar(kind=key[0], text=key[1]))
+
+    def grammar_compiled(self, msg: GrammarCompiled) -> None:
+        """The worker compiled a grammar: its requests may run, or fail (an invalid grammar)."""
+        key = (msg.kind, msg.text)
+        reqs = self.grammar_waiting.pop(key, [])
+        if not msg.cache_hit:
+            self.grammar_compiles += 1
+            self.compile_times.append(msg.compile_s)
+        if msg.error is not None:
+            self.grammar_failed += 1
+            for req in reqs:
+                if self.reqs.get(req.rid) is req:
+                    out = self._finish(req, "error")
+                    out.error, out.error_code = msg.error, "invalid_grammar"
+                    self.outbox.append(out)
+            return
+        self.known_grammars[key] = None
+        self.known_grammars.move_to_end(key)
+        while len(self.known_grammars) > SCHEDULER_KNOWN_GRAMMARS:
+            self.known_grammars.popitem(last=False)
+        self.waiting.extend(r for r in reqs if self.reqs.get(r.rid) is r)
+
+    def take_worker_messages(self) -> list[CompileGrammar]:
+        out, self.worker_outbox = self.worker_outbox, []
+        return out
 
     def _reject_reason(self, msg: GenerateReq, prompt: np.ndarray) -> tuple[str, str] | None:
         if msg.rid in self.reqs:
@@ -158,7 +250,10 @@ class Scheduler:
         if req is None:
             return
         if req.state is ReqState.WAITING:
-            self.waiting.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:  # its grammar is compiling
+                self.grammar_waiting[req.sampling.grammar].remove(req)
         elif req.state is ReqState.RUNNING:
             self.running.remove(req)
             self._release(req)
@@ -208,11 +303,48 @@ class Scheduler:
 
     def _make_batch(self, plan: list[PlannedReq]) -> ForwardBatch:
         self.step_id += 1
-        return ForwardBatch(
+        batch = ForwardBatch(
             step=self.step_id,
             reqs=[self._forward_req(p) for p in plan],
             released_slots=self._take_released_slots(),
         )
+        if self.host_allocator is not None:
+            self._attach_copies(batch)
+        return batch
+
+    def _attach_copies(self, batch: ForwardBatch) -> None:
+        """The host tier's copies the tree queued since the last batch: the worker makes them
+        before this step's model runs (writes, then loads), so a load is in place before any
+        step reads it and a write has read its device pages before a step reuses them."""
+        copies = self.cache.take_copies()
+        page_bytes = self.page_size * self.kv_bytes_per_token
+        if copies.writes:
+            src = np.concatenate([c.src for c in copies.writes])
+            batch.write_src = pack_ids(src)
+            batch.write_dst = pack_ids(np.concatenate([c.dst for c in copies.writes]))
+            batch.writes_block = copies.writes_block
+            self.host_written_bytes += len(src) * page_bytes
+        if copies.loads:
+            src = np.concatenate([c.src for c in copies.loads])
+            batch.load_src = pack_ids(src)
+            batch.load_dst = pack_ids(np.concatenate([c.dst for c in copies.loads]))
+            self.host_loads += len(copies.loads)
+            self.host_loaded_bytes += len(src) * page_bytes
+
+    def _load_pays(self, tokens: int) -> bool:
+        """Whether loading `tokens` tokens from the host is faster than computing them."""
+        if self.prefill_tps <= 0 or self.load_bandwidth <= 0:
+            return True
+        load_s = LOAD_LATENCY_S + tokens * self.kv_bytes_per_token / self.load_bandwidth
+        return load_s <= tokens / self.prefill_tps
+
+    def _observe_step(self, plan: list[PlannedReq], result: ForwardResult) -> None:
+        """Feed the cost model: prefill throughput of this step, and the loads' time."""
+        self.host_load_s += result.load_s
+        tokens = sum(p.num_tokens for p in plan if p.num_tokens > 1)
+        if tokens >= PREFILL_SAMPLE_MIN_TOKENS and result.forward_s > 0:
+            tps = tokens / result.forward_s
+            self.prefill_tps = tps if self.prefill_tps <= 0 else 0.8 * self.prefill_tps + 0.2 * tps
 
     # -----------------------------------------------------------------------------------------
     # the overlap schedule: one step ahead
@@ -266,6 +398,7 @@ class Scheduler:
                 if (
                     len(req.output_ids) + 1 >= req.sampling.max_new_tokens
                     or req.all_len + 1 >= self.context_length
+                    or self._may_jump(req)  # its next tokens are not known: it sits N+1 out
                 ):
                     finishing.add(id(req))
             elif req.prefill_only and req.kv_len + p.num_tokens >= req.all_len:
@@ -379,22 +512,32 @@ class Scheduler:
             if computing is None:
                 computing = self._computing_uncached(shared_with)
             match = self._match(req)
-            if self._shares_uncached_prefix(req, match.length, computing):
+            # NOTE: the C++ tree's matches have no host fields (it has no host tier)
+            host_len = match.host_length if self.host_allocator is not None else 0
+            if self._shares_uncached_prefix(req, match.length + host_len, computing):
                 continue
-            self.cache.lock(match.node)
-            req.node = match.node
-            req.pages = PageRow(match.pages)
-            req.tree_pages = len(req.pages)
-            req.kv_len = match.length
+            loaded = self._lock_match(req, match, budget, reserve)
             n = min(budget, req.remaining_fill)
             if not self._grow_pages(req, req.kv_len + n, reserve):
                 self.cache.unlock(req.node)
                 req.node, req.pages, req.tree_pages, req.kv_len = None, PageRow(), 0, 0
                 break
             if req.cached_tokens < 0:
-                req.cached_tokens = match.length
+                req.cached_tokens = match.length + loaded
+                req.host_cached_tokens = loaded
                 self.prompt_tokens_total += len(req.prompt)
-                self.cached_tokens_total += match.length
+                self.cached_tokens_total += match.length + loaded
+                self.host_cached_tokens_total += loaded
+                if host_len and not loaded:
+                    self.host_recomputed_tokens += host_len
+                req.admitted_at = time.perf_counter()
+                if self.stats is not None:
+                    self.stats.admitted(
+                        len(req.prompt),
+                        match.length + loaded,
+                        req.admitted_at - req.arrived_at,
+                        host_cached_tokens=loaded,
+                    )
             req.slot = self.free_slots.pop()
             req.sent_pages = 0
             req.state = ReqState.RUNNING
@@ -404,6 +547,38 @@ class Scheduler:
             sample = req.kv_len + n == req.all_len and not req.prefill_only
             plan.append(PlannedReq(req, n, sample))
             budget -= n
+
+    def _lock_match(self, req: Req, match, budget: int, reserve: int) -> int:
+        """Lock `match` for `req` and set its pages and kv_len. A match that runs on into the
+        host tier is loaded back (device pages for it, the copies queued for the next batch)
+        when the load beats recomputing and the pool has the pages for it and for the first
+        chunk; else the request computes those tokens. Returns the tokens loaded."""
+        ps = self.page_size
+        host_len = match.host_length if self.host_allocator is not None else 0
+        if host_len:
+            load_pages = host_len // ps
+            kv_after = match.length + host_len
+            first_chunk = min(budget, req.all_len - kv_after)
+            chunk_pages = math.ceil((kv_after + first_chunk) / ps) - len(match.pages) - load_pages
+            self.cache.lock(match.host_node)
+            if self._load_pays(host_len) and (
+                self._available_pages() - reserve >= load_pages + max(chunk_pages, 0)
+            ):
+                pages = self._take_pages(load_pages)
+                assert pages is not None, "pages were counted as available"
+                self.cache.load_back(match.host_node, pages)
+                req.node = match.host_node
+                req.pages = PageRow(np.concatenate([match.pages, pages]))
+                req.tree_pages = len(req.pages)
+                req.kv_len = match.length + host_len
+                return host_len
+            self.cache.unlock(match.host_node)
+        self.cache.lock(match.node)
+        req.node = match.node
+        req.pages = PageRow(match.pages)
+        req.tree_pages = len(req.pages)
+        req.kv_len = match.length
+        return 0
 
     def _computing_uncached(self, shared_with: list[Req]) -> list[Req]:
         """The requests computing prompt tokens that are not in the tree yet: `shared_with` and
@@ -426,15 +601,18 @@ class Scheduler:
 
     def _match(self, req: Req):
         """Longest cached prefix within `_match_limit`."""
-        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)))
+        return self.cache.match_prefix(req.ids_slice(0, self._match_limit(req)), req.namespace)
 
     def _shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
-        of `computing` that it could match once they are cached (so waiting pays off)."""
+        of `computing` that it could match once they are cached (so waiting pays off): only one
+        in its own cache namespace, whose prefix it will be able to match."""
         if self.cache.disable:
             return False
         limit = self._match_limit(req)
         for other in computing:
+            if other.namespace != req.namespace:
+                continue
             n = min(len(req.prompt), len(other.prompt), limit)
             if n - cached < IN_BATCH_SHARE_THRESHOLD:
                 continue
@@ -477,16 +655,34 @@ class Scheduler:
         )
         if new_slot and req.sampling.needs_penalties:
             fr.history_ids = pack_ids(req.ids_slice(0, start))
+        if new_slot and req.output_ids and self._counts_outputs(req.sampling):
             fr.prior_output_ids = pack_ids(req.output_ids)
         req.slot_started = True
         req.sent_pages = len(req.pages)
         return fr
+
+    def _may_jump(self, req: Req) -> bool:
+        """Whether the worker may append jump-forward tokens to this request's next token."""
+        return (
+            self.args.enable_jump_forward
+            and req.sampling.grammar is not None
+            and not req.return_logprob
+            and req.top_logprobs_num == 0
+        )
+
+    @staticmethod
+    def _counts_outputs(sp) -> bool:
+        """Whether the worker needs a retracted request's earlier outputs: penalties count them,
+        a grammar replays them, min_tokens counts them."""
+        return sp.needs_penalties or sp.grammar is not None or sp.min_tokens > 0
 
     # -----------------------------------------------------------------------------------------
     # results
 
     def process_result(self, plan: list[PlannedReq], result: ForwardResult) -> None:
         outputs = self.outbox
+        if self.host_allocator is not None:
+            self._observe_step(plan, result)
         for p, res in zip(plan, result.results):
             req = p.req
             if req.state is not ReqState.RUNNING:
@@ -499,7 +695,10 @@ class Scheduler:
                 )
             req.kv_len += p.num_tokens
             out = ReqOutput(
-                rid=req.rid, prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens
+                rid=req.rid,
+                prompt_tokens=len(req.prompt),
+                cached_tokens=req.cached_tokens,
+                host_cached_tokens=req.host_cached_tokens,
             )
             has_news = False
             if res.prompt_logprobs:
@@ -509,21 +708,41 @@ class Scheduler:
                 if keep < len(lps):
                     out.prompt_logprob_start = first + keep
                     out.prompt_logprobs = pack_floats(lps[keep:])
+                    if res.prompt_top_ids:  # k per position
+                        k = req.top_logprobs_num
+                        out.prompt_top_ids = res.prompt_top_ids[4 * k * keep :]
+                        out.prompt_top_logprobs = res.prompt_top_logprobs[4 * k * keep :]
                     has_news = True
             if p.sample:
                 token = int(res.next_id)
                 req.output_ids.append(token)
-                out.new_ids = pack_ids([token])
+                if self.stats is not None:
+                    self.stats.generation_tokens += 1
+                    if len(req.output_ids) == 1:
+                        self.stats.first_token(time.perf_counter() - req.admitted_at)
                 if req.return_logprob:
                     out.output_logprobs = pack_floats([res.logprob])
                     out.top_ids, out.top_logprobs = res.top_ids, res.top_logprobs
                 has_news = True
-                reason = self._finish_reason(req, token)
+                reason = self._finish_reason(req, token, res)
+                new_ids = [token]
+                if reason is None and res.jump_ids:
+                    # jump-forward: tokens the grammar forces; the next step computes them
+                    for forced in unpack_ids(res.jump_ids).tolist():
+                        req.output_ids.append(forced)
+                        new_ids.append(forced)
+                        reason = self._finish_reason(req, forced)
+                        if reason is not None:
+                            break
+                    self.jumped_tokens += len(new_ids) - 1
+                out.new_ids = pack_ids(new_ids)
                 if reason is not None:
                     self.running.remove(req)
                     self._release(req)
                     finished = self._finish(req, reason)
                     out.finish_reason, out.matched_stop = finished.finish_reason, req.matched_stop
+                    if reason == "error":
+                        out.error, out.error_code = req.error, "grammar_error"
                 elif start < len(req.prompt) or p.num_tokens > 1:
                     self._cache_unfinished(req)
             elif req.prefill_only and req.kv_len >= req.all_len:
@@ -536,14 +755,20 @@ class Scheduler:
             if has_news:
                 outputs.append(out)
 
-    def _finish_reason(self, req: Req, token: int) -> str | None:
+    def _finish_reason(self, req: Req, token: int, res=None) -> str | None:
         sp = req.sampling
+        if res is not None and res.grammar_error is not None:
+            req.error = res.grammar_error
+            return "error"
         if not sp.ignore_eos and token in self.eos_ids:
             req.matched_stop = token
             return "stop"
         if token in sp.stop_token_ids:
             req.matched_stop = token
             return "stop"
+        if res is not None and res.grammar_done:
+            req.matched_stop = token
+            return "stop"  # the grammar ended (a stop token it accepted while ignore_eos is on)
         if len(req.output_ids) >= sp.max_new_tokens or req.all_len >= self.context_length:
             return "length"
         return None
@@ -557,6 +782,7 @@ class Scheduler:
             finish_reason=reason,
             prompt_tokens=len(req.prompt),
             cached_tokens=max(req.cached_tokens, 0),
+            host_cached_tokens=req.host_cached_tokens,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -585,7 +811,9 @@ class Scheduler:
     def _take_pages(self, n: int) -> np.ndarray | None:
         """`n` free pages, evicting cached prefixes for the shortfall; None if there are not."""
         if self.allocator.free_pages < n:
-            self.cache.evict(n - self.allocator.free_pages)
+            evicted = self.cache.evict(n - self.allocator.free_pages)
+            if self.stats is not None:
+                self.stats.evicted_pages += evicted
         return self.allocator.alloc(n)
 
     def _cache_unfinished(self, req: Req) -> None:
@@ -598,9 +826,13 @@ class Scheduler:
         if n_pages <= req.tree_pages:
             return
         ids = req.ids_slice(0, aligned)
-        res = self.cache.insert(ids, req.pages[:n_pages])
+        res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
+        if self.kv_events is not None:
+            self.kv_events.stored(
+                req.rid, ids, res.prefix_len, req.pages[:n_pages], namespace=req.namespace
+            )
         dup_hi = res.prefix_len // self.page_size
-        match = self.cache.match_prefix(ids)
+        match = self.cache.match_prefix(ids, req.namespace)
         assert match.length == aligned, (match.length, aligned)
         if dup_hi > req.tree_pages:
             # someone else cached these tokens first: use their pages, free ours
@@ -617,7 +849,13 @@ class Scheduler:
         if req.node is not None:
             aligned = req.kv_len // self.page_size * self.page_size
             n_pages = aligned // self.page_size
-            res = self.cache.insert(req.ids_slice(0, aligned), req.pages[:n_pages])
+            ids = req.ids_slice(0, aligned)
+            res = self.cache.insert(ids, req.pages[:n_pages], req.namespace)
+            if self.kv_events is not None:
+                pages = req.pages[:n_pages]
+                self.kv_events.stored(
+                    req.rid, ids, res.prefix_len, pages, done=True, namespace=req.namespace
+                )
             dup_hi = min(res.prefix_len // self.page_size, n_pages)
             if dup_hi > req.tree_pages:
                 self.allocator.free(req.pages[req.tree_pages : dup_hi])
@@ -640,6 +878,8 @@ class Scheduler:
         req.state = ReqState.WAITING
         req.retractions += 1
         self.retractions += 1
+        if self.stats is not None:
+            self.stats.retractions += 1
         self.waiting.insert(0, req)
 
     def _take_released_slots(self) -> list[int]:
@@ -654,10 +894,27 @@ class Scheduler:
     # control and introspection
 
     def flush_cache(self) -> FlushCacheDone:
-        if self.running or self.waiting:
-            return FlushCacheDone(ok=False, message="requests are running; flush when idle")
-        self.cache.reset()
-        return FlushCacheDone(ok=True)
+        """Drop every unlocked node: the whole tree when idle; under load, what no running
+        request holds (locked nodes stay and are reported as kept). This is LRU eviction of
+        everything evictable, so it is safe between steps for the same reasons eviction is
+        (see schedule_ahead): a running request's pages are locked or its own, and a freed page
+        is handed out only by a batch built afterwards, which the worker runs after every step
+        already sent. Waiting requests hold nothing; they match again when admitted."""
+        cache = self.cache
+        nodes = cache.stats()["nodes"]
+        events_before = len(self.kv_events.pending) if self.kv_events is not None else 0
+        dropped = cache.evict(cache.evictable_pages) if cache.evictable_pages else 0
+        if self.host_allocator is not None:  # what eviction kept on the host goes too
+            cache.evict_host(cache.host_evictable_pages)
+        if self.kv_events is not None:
+            self.kv_events.flushed(events_before)
+        return FlushCacheDone(
+            ok=True,
+            dropped_nodes=nodes - cache.stats()["nodes"],
+            dropped_pages=dropped,
+            dropped_tokens=dropped * self.page_size,
+            kept_pages=cache.protected_pages,
+        )
 
     def cache_stats(self) -> CacheStats:
         prompt = self.prompt_tokens_total
@@ -671,6 +928,42 @@ class Scheduler:
             cached_tokens=self.cached_tokens_total,
             prompt_tokens=prompt,
             tree=self.tree_impl,
+            **self._host_stats(),
+        )
+
+    def _host_stats(self) -> dict:
+        host = self.host_allocator
+        if host is None:
+            return {}
+        return dict(
+            host_total_pages=host.total_pages,
+            host_free_pages=host.free_pages,
+            host_evictable_pages=self.cache.host_evictable_pages,
+            host_cached_tokens=self.host_cached_tokens_total,
+            host_loads=self.host_loads,
+            host_loaded_bytes=self.host_loaded_bytes,
+            host_written_bytes=self.host_written_bytes,
+            host_load_s=self.host_load_s,
+            host_recomputed_tokens=self.host_recomputed_tokens,
+            host_load_bandwidth=self.load_bandwidth,
+        )
+
+    def grammar_stats(self) -> GrammarStats | None:
+        if not self.grammar_requests:
+            return None
+        times = sorted(self.compile_times)
+
+        def pct(q: float) -> float:
+            return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
+
+        return GrammarStats(
+            requests=self.grammar_requests,
+            cache_hits=self.grammar_hits,
+            compiles=self.grammar_compiles,
+            failed=self.grammar_failed,
+            compile_p50_s=pct(0.5),
+            compile_p99_s=pct(0.99),
+            compile_max_s=times[-1] if times else 0.0,
         )
 
     def server_info(self) -> ServerInfo:
@@ -683,8 +976,13 @@ class Scheduler:
             context_length=self.context_length,
             vocab_size=self.vocab_size,
             decode_steps=self.decode_steps,
+            steps=self.step_id,
+            jumped_tokens=self.jumped_tokens,
+            grammar=self.grammar_stats(),
             retractions=self.retractions,
             integrity_checks=self.integrity_checks,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization,
         )
 
     def check_integrity(self) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +21,6 @@ from typing import Any
 
 import anyio
 import msgspec
-import uvicorn
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
@@ -39,6 +37,18 @@ from radix_runtime.server.errors import (
     error_response,
     install_error_handlers,
 )
+from radix_runtime.server.observability import install_observability_routes
+from radix_runtime.server.openapi import install_openapi, route_openapi
+from radix_runtime.server.tenancy import Tenant, cache_namespace, find_tenant, load_tenants
+from radix_runtime.server.tokenize_routes import install_tokenize_routes
+from radix_runtime.server.tools import (
+    ToolPlan,
+    history_for_template,
+    plan_tools,
+    resolve_parser,
+    with_fallback_prompt,
+)
+from radix_runtime.tokenizer.chat_template import CHATML_TEMPLATE, supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +64,8 @@ def _sse(payload: Any) -> bytes:
 
 
 _SSE_DONE = b"data: [DONE]\n\n"
+# /health_generate answers 503 when its one token takes longer than this (a stuck worker)
+HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 # ---------------------------------------------------------------------------------------------
 # running generations
@@ -196,14 +208,20 @@ class _SSEResponse(StreamingResponse):
 # auth
 
 
+# where the auth middleware leaves the caller's tenant for the routes (the ASGI scope)
+TENANT_SCOPE_KEY = "radix_runtime.tenant"
+
+
 class _AuthMiddleware:
-    """``Authorization: Bearer <key>`` on every route but /health."""
+    """``Authorization: Bearer <key>`` on every route but /health and /dashboard (a static page
+    holding no data: it asks for the key and sends it with each of its requests). The tenant
+    whose key matched is left in the scope (``TENANT_SCOPE_KEY``) for the cache namespace."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/dashboard"})
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, tenants: list[Tenant]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
@@ -213,7 +231,10 @@ class _AuthMiddleware:
             if name == b"authorization":
                 given = value
                 break
-        if hmac.compare_digest(given, self.expected):
+        # NOTE: find_tenant compares with every key, each with hmac.compare_digest
+        tenant = find_tenant(self.tenants, given)
+        if tenant is not None:
+            scope[TENANT_SCOPE_KEY] = tenant
             return await self.app(scope, receive, send)
         err = ApiError(
             "missing or invalid API key (expected 'Authorization: Bearer <key>')",
@@ -234,6 +255,7 @@ class _Api:
         self.manager = manager
         self.args = args
         self.created = int(time.time())
+        self._tool_parser: str | None = None
 
     @property
     def limits(self) -> P.ModelLimits:
@@ -333,6 +355,14 @@ class _Api:
             run.close()
         yield _SSE_DONE
 
+    def namespace(
+        self, request: Request | None, req: P._OpenAIRequest | P.NativeGenerateRequest
+    ) -> str:
+        """The radix tree namespace of this request (server/tenancy.py)."""
+        salt = P.cache_salt(req)
+        tenant = request.scope.get(TENANT_SCOPE_KEY) if request is not None else None
+        return cache_namespace(self.args.cache_isolation, tenant, salt)
+
     # --- tokenization
 
     def tokenizer(self, param: str) -> Any:
@@ -349,11 +379,21 @@ class _Api:
         tokenizer = self.tokenizer(param)
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
+        tokenizer = self.tokenizer("messages")
+        template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
         try:
-            prompt = self.tokenizer("messages").apply_chat_template(
-                messages, add_generation_prompt=True
-            )
+            with_tools = supports_tools(template)
+        except ValueError as exc:
+            raise ApiError(f"invalid chat template: {exc}", param="messages") from None
+        messages = history_for_template(messages, with_tools)
+        kwargs: dict[str, Any] = {}
+        if tools is not None and with_tools:
+            kwargs["tools"] = [dict(t) for t in tools.tools]
+        elif tools is not None:
+            messages = with_fallback_prompt(messages, tools)
+        try:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         except ValueError as exc:
             raise ApiError(f"invalid messages: {exc}", param="messages") from None
         # the template already holds BOS and friends
@@ -361,6 +401,15 @@ class _Api:
         if not ids:
             raise ApiError("the prompt is empty", param="messages")
         return ids
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt as text (echo): as sent, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.manager.tokenizer
+        if tokenizer is None:
+            return ""
+        return tokenizer.decode(prompt, skip_special_tokens=False)
 
     def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, list):
@@ -385,16 +434,16 @@ class _Api:
             )
         if top_logprobs and not req.logprobs:
             raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise ApiError(
-                f"response_format {req.response_format.type!r} is not supported",
-                param="response_format",
-                code="unsupported_value",
-            )
+        P.check_unsupported_chat_fields(req)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
+        schema = tools.json_schema() if tools is not None else None
+        if schema is not None:
+            base = self.constrain_to_tools(base, schema)
+        namespace = self.namespace(request, req)
         messages = P.chat_messages(req)
-        ids = self.chat_prompt_ids(messages)
+        ids = self.chat_prompt_ids(messages, tools)
         max_new = P.resolve_max_new_tokens(
             len(ids), max_tokens, limits, param=max_param, prompt_param="messages"
         )
@@ -409,6 +458,7 @@ class _Api:
                 return_logprob=req.logprobs,
                 top_logprobs_num=top_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                cache_namespace=namespace,
             )
             for i in range(req.n)
         ]
@@ -419,29 +469,63 @@ class _Api:
             logprobs=req.logprobs,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             token_text=P.TokenText(self.manager.tokenizer),
+            tools=tools,
         )
         return await self.respond(request, inputs, renderer, req.stream)
+
+    @property
+    def tool_parser(self) -> str:
+        """The reply format of tool_choice "auto" (``--tool-call-parser``, or from the template)."""
+        if self._tool_parser is None:
+            flag = getattr(self.args, "tool_call_parser", "auto")
+            self._tool_parser = resolve_parser(flag, self.manager.chat_template)
+        return self._tool_parser
+
+    @staticmethod
+    def constrain_to_tools(base: Any, schema: str) -> Any:
+        """tool_choice "required" / a named function: the reply is forced by a JSON schema (the
+        worker compiles it; one that does not compile is a 400 before any output)."""
+        if base.grammar is not None:
+            raise ApiError(
+                "tool_choice 'required' or a named function constrains the output already; it "
+                "cannot be combined with response_format, regex, json_schema or ebnf",
+                param="tool_choice",
+            )
+        if len(schema) > P.MAX_GRAMMAR_CHARS:
+            raise ApiError(
+                f"the tools' parameter schemas make a {len(schema)}-character JSON schema; the "
+                f"limit is {P.MAX_GRAMMAR_CHARS}",
+                param="tools",
+                code="grammar_too_large",
+            )
+        return msgspec.structs.replace(base, json_schema=schema)
 
     async def completions(self, request: Request) -> Response:
         req: P.CompletionRequest = await self.decode(request, P.CompletionRequest)
         limits = self.limits
         P.check_model(req.model, limits)
-        if req.echo:
-            raise ApiError("echo is not supported", param="echo", code="unsupported_value")
         if req.suffix:
             raise ApiError("suffix is not supported", param="suffix", code="unsupported_value")
-        max_tokens, max_param = P.openai_max_tokens(req)
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(
+                "best_of other than n is not supported", param="best_of", code="unsupported_value"
+            )
+        max_tokens, max_param = P.openai_max_tokens(req, minimum=0 if req.echo else 1)
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_TOP_LOGPROBS:
             raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
         stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1)
+        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
+        namespace = self.namespace(request, req)
         prompts = P.split_prompts(req.prompt, limits.vocab_size, "prompt")
         P.check_n(req.n, len(prompts))
         rid = P.new_id("cmpl")
         inputs = []
+        echo_prompts: list[str] | None = [] if req.echo else None
         for p_index, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
             ids = self.prompt_ids(prompt, param)
+            if echo_prompts is not None:
+                echo_prompts += [self.prompt_text(prompt)] * req.n
             max_new = P.resolve_max_new_tokens(
                 len(ids), max_tokens, limits, param=max_param, prompt_param=param
             )
@@ -456,7 +540,10 @@ class _Api:
                         stream=req.stream,
                         return_logprob=req.logprobs is not None,
                         top_logprobs_num=req.logprobs or 0,
+                        # echo + logprobs: every prompt token's logprob (and top alternatives)
+                        logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
                         skip_special_tokens=req.skip_special_tokens,
+                        cache_namespace=namespace,
                     )
                 )
         renderer = P.CompletionRenderer(
@@ -466,6 +553,7 @@ class _Api:
             logprobs=req.logprobs,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             token_text=P.TokenText(self.manager.tokenizer),
+            echo_prompts=echo_prompts,
         )
         return await self.respond(request, inputs, renderer, req.stream)
 
@@ -474,14 +562,15 @@ class _Api:
     async def generate(self, request: Request) -> Response:
         logger.debug("HTTP /generate in")
         req: P.NativeGenerateRequest = await self.decode(request, P.NativeGenerateRequest)
-        inputs, renderer = self.native_inputs(req)
+        inputs, renderer = self.native_inputs(req, request)
         return await self.respond(request, inputs, renderer, req.stream)
 
     def native_inputs(
-        self, req: P.NativeGenerateRequest
+        self, req: P.NativeGenerateRequest, request: Request | None = None
     ) -> tuple[list[P.GenerateInput], P.NativeRenderer]:
-        """Validate a /generate request (also used by the offline Engine)."""
+        """Validate a /generate request (also used by the offline Engine, without `request`)."""
         limits = self.limits
+        P.check_unsupported_native_fields(req)
         if (req.text is None) == (req.input_ids is None):
             raise ApiError("give exactly one of 'text' and 'input_ids'", param="text")
         param = "text" if req.text is not None else "input_ids"
@@ -505,6 +594,7 @@ class _Api:
             )
         stop = P.normalize_stop(sp.stop, "sampling_params.stop")
         base = P.sampling_params(sp, limits, 1, prefix="sampling_params.")
+        namespace = self.namespace(request, req)
         rids = self.native_rids(req.rid, len(prompts), batch)
         inputs = []
         for i, prompt in enumerate(prompts):
@@ -535,6 +625,7 @@ class _Api:
                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                     logprob_start_len=start,
                     skip_special_tokens=sp.skip_special_tokens,
+                    cache_namespace=namespace,
                 )
             )
         return inputs, P.NativeRenderer(inputs, batch)
@@ -552,6 +643,34 @@ class _Api:
         if len(set(rid)) != count or not all(rid):
             raise ApiError("rids must be unique and non-empty", param="rid")
         return list(rid)
+
+    # --- readiness
+
+    async def health_generate(self, request: Request) -> Response:
+        """SGLang's readiness probe: one token through the whole pipeline (tokenizer, scheduler,
+        worker). 200 once it comes back; 503 when the server is not serving or the token does
+        not come within HEALTH_GENERATE_TIMEOUT_S."""
+        self.check_serving()
+        tokenizer = self.manager.tokenizer
+        ids = list(tokenizer.encode("Hi", add_special_tokens=False)) if tokenizer else []
+        inp = P.GenerateInput(
+            rid=P.new_id("health"),
+            input_ids=ids or [1],
+            sampling=P.SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
+        run = _Run(self.manager, [inp])
+        try:
+            await asyncio.wait_for(
+                _unless_disconnected(request, run.collect()), HEALTH_GENERATE_TIMEOUT_S
+            )
+        except _ClientGone:
+            return Response(status_code=499)
+        except (TimeoutError, GenerationError) as exc:
+            message = str(exc) or f"no token within {HEALTH_GENERATE_TIMEOUT_S} s"
+            raise ApiError(f"generation failed: {message}", status=503, code="unhealthy") from None
+        finally:
+            run.close()
+        return json_response({"status": "ok"})
 
     # --- info
 
@@ -584,16 +703,27 @@ class _Api:
 def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = None) -> FastAPI:
     """The ASGI app. ``lifespan`` (FastAPI's async context manager factory) lets the caller start
     and stop background work (e.g. the manager's receive loop) on uvicorn's event loop."""
+    docs = not args.disable_docs
     app = FastAPI(
-        title="radix_runtime", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        title="radix_runtime",
+        docs_url="/docs" if docs else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
+        lifespan=lifespan,
     )
     install_error_handlers(app)
     api = _Api(manager, args)
     app.state.api = api
 
-    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
-    app.add_api_route("/generate", api.generate, methods=["POST"])
+    for path, route in (
+        ("/v1/chat/completions", api.chat_completions),
+        ("/v1/completions", api.completions),
+        ("/generate", api.generate),
+    ):
+        extra = route_openapi(path) if docs else None
+        app.add_api_route(path, route, methods=["POST"], openapi_extra=extra)
+    if docs:
+        install_openapi(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -602,6 +732,9 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         if manager.draining:
             raise ApiError("the server is shutting down", status=503, code="draining")
         return json_response({"status": "ok"})
+
+    app.add_api_route("/health_generate", api.health_generate, methods=["GET"])
+    install_tokenize_routes(app, api)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -618,7 +751,9 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
             )
         return json_response(api.model_card())
 
+    # NOTE: SGLang's router asks for /model_info and /server_info first, then the /get_* names
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info() -> Response:
         return json_response(
             {
@@ -631,70 +766,30 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         )
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> Response:
         return json_response(await api.server_info())
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        if not await manager.flush_cache():
-            raise ApiError("cannot flush the cache while requests are running", code="cache_busy")
-        return json_response({"success": True, "message": "cache flushed"})
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """Load in SGLang's shape (one entry per data-parallel rank of this server: one), which
+        the router's power_of_two policy reads: num_tokens = KV tokens held by running requests."""
+        info = await manager.server_info()
+        cache = info["cache"]
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": info["running_requests"] + info["waiting_requests"],
+                    "num_waiting_reqs": info["waiting_requests"],
+                    "num_tokens": cache["protected_pages"] * cache["page_size"],
+                }
+            ]
+        )
 
-    if args.api_key:
-        app.add_middleware(_AuthMiddleware, api_key=args.api_key)
+    install_observability_routes(app, manager, args)
+
+    tenants = load_tenants(args)
+    if tenants:
+        app.add_middleware(_AuthMiddleware, tenants=tenants)
     return app
-
-
-class _Server(uvicorn.Server):
-    """uvicorn owns SIGINT/SIGTERM while it runs; on the first one we mark the manager draining
-    (new requests get 503) and uvicorn waits up to ``drain_timeout`` for in-flight ones."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None] | None) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._on_exit is not None:
-            try:
-                self._on_exit()
-            except Exception:
-                logger.exception("on_exit hook failed")
-        super().handle_exit(sig, frame)
-
-
-def make_server(
-    manager: Any,
-    args: ServerArgs,
-    *,
-    lifespan: Callable | None = None,
-    on_exit: Callable[[], None] | None = None,
-) -> uvicorn.Server:
-    """A uvicorn server (not started) for ``build_app(manager, args)``. ``on_exit`` runs on the
-    first SIGINT/SIGTERM; by default it sets ``manager.draining = True``."""
-    if on_exit is None:
-
-        def on_exit() -> None:
-            manager.draining = True
-
-    config = uvicorn.Config(
-        build_app(manager, args, lifespan=lifespan),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        loop="uvloop",
-        access_log=args.log_level == "debug",
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
-        timeout_keep_alive=30,
-    )
-    return _Server(config, on_exit)
-
-
-def serve_http(
-    manager: Any,
-    args: ServerArgs,
-    *,
-    lifespan: Callable | None = None,
-    on_exit: Callable[[], None] | None = None,
-) -> None:
-    """Run the HTTP server until SIGINT/SIGTERM (blocking)."""
-    make_server(manager, args, lifespan=lifespan, on_exit=on_exit).run()

@@ -15,6 +15,7 @@ Each is validated against the model's limits and turned into one ``GenerateInput
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -23,8 +24,9 @@ from typing import Any
 
 import msgspec
 
-from radix_runtime.messages import SamplingParams
+from radix_runtime.messages import ANY_JSON, JSON_OBJECT_SCHEMA, SamplingParams
 from radix_runtime.server.errors import ApiError, from_msgspec_error
+from radix_runtime.server.tools import NamedToolChoice, ToolCallIn, ToolDef, ToolPlan
 
 # limits on what one request may ask for
 MAX_N = 16
@@ -33,7 +35,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_BATCH = 1024  # generations one request may start (prompts x n)
 MAX_SEED = 2**63 - 1
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
+MAX_CACHE_SALT_CHARS = 1024
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a smaller temperature is greedy (as vLLM and SGLang do)
+# a regex / JSON schema / EBNF grammar longer than this is refused (compile time and memory grow
+# with it; 32 KiB holds schemas of a few hundred properties)
+MAX_GRAMMAR_CHARS = 32768
 
 # ---------------------------------------------------------------------------------------------
 # the contract with the TokenizerManager
@@ -52,6 +58,8 @@ class GenerateInput(msgspec.Struct, kw_only=True):
     # >= 0: also the logprob of every prompt token at positions >= this index; -1: none
     logprob_start_len: int = -1
     skip_special_tokens: bool = True
+    # the radix tree namespace it shares cached KV in ("": public); see server/tenancy.py
+    cache_namespace: str = ""
 
 
 class GenerateChunk(msgspec.Struct, kw_only=True):
@@ -71,9 +79,12 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier (docs/hicache.md)
     output_logprobs: list[float] = []  # one per id in ``ids`` (when return_logprob)
     output_top_logprobs: list[list[tuple[int, float]]] | None = None  # per id: [(id, logprob)]
     prompt_logprobs: list[float] | None = None
+    # with top_logprobs_num > 0: the top alternatives of each of those prompt positions
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,14 +120,27 @@ class SamplingFields(_Request, kw_only=True):
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
+    min_tokens: int | None = None
+    # constrained decoding (SGLang's names); at most one, and not with response_format
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | bool | None = None
+    ebnf: str | None = None
 
 
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request, kw_only=True):
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ContentPart(_Request, kw_only=True):
@@ -128,6 +152,8 @@ class ChatMessage(_Request, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class _OpenAIRequest(SamplingFields, kw_only=True):
@@ -136,6 +162,10 @@ class _OpenAIRequest(SamplingFields, kw_only=True):
     max_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # requests share cached KV only with requests of the same salt (vLLM's name; SGLang's
+    # extra_key is an alias): see cache_salt()
+    cache_salt: str | None = None
+    extra_key: str | None = None
 
 
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
@@ -144,6 +174,45 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields that change what the model must do and that are not implemented: a 400
+    # names them (harmless metadata such as user, metadata, store is ignored)
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+
+UNSUPPORTED_CHAT_FIELDS = (
+    ("functions", "use tools"),
+    ("function_call", "use tool_choice"),
+    ("audio", "this server has no audio output"),
+    ("prediction", "predicted outputs are not implemented"),
+    ("web_search_options", "there is no web search"),
+    ("reasoning_effort", "no reasoning model is served"),
+    ("verbosity", "not implemented"),
+)
+
+
+def check_unsupported_chat_fields(req: ChatCompletionRequest) -> None:
+    """A field we would otherwise ignore while the client relies on it is a 400 naming it."""
+    for name, why in UNSUPPORTED_CHAT_FIELDS:
+        if getattr(req, name) is not None:
+            raise ApiError(
+                f"{name} is not supported ({why})", param=name, code="unsupported_parameter"
+            )
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise ApiError(
+            "modalities other than ['text'] are not supported",
+            param="modalities",
+            code="unsupported_parameter",
+        )
 
 
 class CompletionRequest(_OpenAIRequest, kw_only=True):
@@ -152,10 +221,14 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None  # only best_of == n (or absent): nothing to pick the best by
+    response_format: ResponseFormat | None = None
 
 
 class NativeSamplingParams(SamplingFields, kw_only=True):
     max_new_tokens: int | None = None
+    n: int | None = None  # SGLang's parallel sampling: refused unless 1 (send a batch instead)
+    min_new_tokens: int | None = None  # SGLang's native name of min_tokens
 
 
 class NativeGenerateRequest(_Request, kw_only=True):
@@ -167,6 +240,48 @@ class NativeGenerateRequest(_Request, kw_only=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     rid: str | list[str] | None = None
+    cache_salt: str | None = None
+    extra_key: str | None = None
+    # SGLang fields that change what the model must do and that are not implemented: a 400
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: bool = False
+
+
+UNSUPPORTED_NATIVE_FIELDS = (
+    ("image_data", "this server serves text models"),
+    ("audio_data", "this server serves text models"),
+    ("video_data", "this server serves text models"),
+    ("lora_path", "LoRA adapters are not implemented"),
+    ("session_params", "sessions are not implemented"),
+    ("custom_logit_processor", "custom logit processors are not implemented"),
+)
+
+
+def check_unsupported_native_fields(req: NativeGenerateRequest) -> None:
+    """A /generate field we would otherwise ignore while the client relies on it is a 400."""
+    for name, why in UNSUPPORTED_NATIVE_FIELDS:
+        if getattr(req, name) is not None:
+            raise ApiError(
+                f"{name} is not supported ({why})", param=name, code="unsupported_parameter"
+            )
+    if req.return_hidden_states:
+        raise ApiError(
+            "return_hidden_states is not supported",
+            param="return_hidden_states",
+            code="unsupported_parameter",
+        )
+    sp = req.sampling_params
+    if sp is not None and sp.n not in (None, 1):
+        raise ApiError(
+            "sampling_params.n is not supported: send the prompt n times in a batch",
+            param="sampling_params.n",
+            code="unsupported_parameter",
+        )
 
 
 def decode_request(body: bytes, type_: type) -> Any:
@@ -175,11 +290,44 @@ def decode_request(body: bytes, type_: type) -> Any:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise from_msgspec_error(exc) from None
+        return _decode_with_whole_number_floats(body, type_, exc)
     except msgspec.DecodeError as exc:
         raise ApiError(f"invalid JSON body: {exc}", code="invalid_json") from None
     except RecursionError:
         raise ApiError("invalid JSON body: nested too deeply", code="invalid_json") from None
+
+
+# objects whose scalar fields are request knobs, as the top level's are
+_KNOB_OBJECTS = ("sampling_params", "stream_options")
+
+
+def _whole_floats_to_ints(obj: dict) -> bool:
+    """Rewrite whole-number floats (``4.0``) among the scalar knobs of a decoded request as ints;
+    True if any was. Lists (token ids, stop ids) and other nested objects stay as sent."""
+    changed = False
+    for key, value in obj.items():
+        if isinstance(value, float) and value.is_integer():
+            obj[key] = int(value)
+            changed = True
+        elif key in _KNOB_OBJECTS and isinstance(value, dict):
+            changed |= _whole_floats_to_ints(value)
+    return changed
+
+
+def _decode_with_whole_number_floats(body: bytes, type_: type, error: Exception) -> Any:
+    """The slow path of a body the strict decode refused: OpenAI's and pydantic-based servers
+    take ``"max_tokens": 4.0`` for an integer field, so whole-number floats among the request's
+    knobs are read as ints and the body decoded again; anything else keeps its 400."""
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        obj = None
+    if not isinstance(obj, dict) or not _whole_floats_to_ints(obj):
+        raise from_msgspec_error(error) from None
+    try:
+        return msgspec.convert(obj, type_)
+    except msgspec.ValidationError as exc:
+        raise from_msgspec_error(exc) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +384,7 @@ def sampling_params(
     *,
     prefix: str = "",
     seed_offset: int = 0,
+    response_format: ResponseFormat | None = None,
 ) -> SamplingParams:
     """Validate the shared sampling knobs; ``prefix`` names where they sit (``sampling_params.``)."""
     f = fields
@@ -279,6 +428,15 @@ def sampling_params(
             )
         _check_range(bias, param, -100.0, 100.0)
         logit_bias[tok] = float(bias)
+    min_tokens = f.min_tokens
+    if min_tokens is None:
+        min_tokens = getattr(f, "min_new_tokens", None) or 0
+    if not 0 <= min_tokens <= limits.context_length:
+        raise ApiError(
+            f"min_tokens must be in [0, {limits.context_length}], got {min_tokens}",
+            param=_p(prefix, "min_tokens"),
+        )
+    grammar = grammar_fields(f, prefix, response_format)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=float(temperature),
@@ -292,16 +450,120 @@ def sampling_params(
         stop_token_ids=stop_token_ids,
         ignore_eos=f.ignore_eos,
         logit_bias=logit_bias,
+        min_tokens=min_tokens,
+        **grammar,
     )
 
 
+def grammar_fields(
+    f: SamplingFields, prefix: str = "", response_format: ResponseFormat | None = None
+) -> dict[str, str]:
+    """The one grammar a request asks for, as SamplingParams fields ({} when none): from
+    ``regex``, ``json_schema`` (an object, a JSON string, or SGLang's ``"$$ANY$$"``), ``ebnf``
+    or OpenAI's ``response_format``. Two at once, a schema that is not JSON, or one longer
+    than MAX_GRAMMAR_CHARS is a 400 here; whether it compiles is known when the worker compiles
+    it (a failure is a 400 too, before any output)."""
+    found: list[tuple[str, str, str]] = []  # (field, text, param)
+    if f.regex is not None:
+        found.append(("regex", f.regex, _p(prefix, "regex")))
+    if f.ebnf is not None:
+        found.append(("ebnf", f.ebnf, _p(prefix, "ebnf")))
+    if f.json_schema is not None:
+        param = _p(prefix, "json_schema")
+        found.append(("json_schema", _schema_text(f.json_schema, param), param))
+    if response_format is not None:
+        text = _response_format_schema(response_format)
+        if text is not None:
+            found.append(("json_schema", text, "response_format"))
+    if len(found) > 1:
+        names = " and ".join(param for _, _, param in found)
+        raise ApiError(
+            f"at most one of regex, json_schema, ebnf and response_format may constrain the "
+            f"output; got {names}",
+            param=found[1][2],
+        )
+    if not found:
+        return {}
+    field, text, param = found[0]
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ApiError(
+            f"{field} has {len(text)} characters; the limit is {MAX_GRAMMAR_CHARS}",
+            param=param,
+            code="grammar_too_large",
+        )
+    if field != "json_schema" and not text:
+        raise ApiError(f"{field} is empty", param=param)
+    return {field: text}
+
+
+def _schema_text(value: str | dict | bool, param: str) -> str:
+    """A JSON schema (an object or its JSON text) as JSON text; ANY_JSON passes through."""
+    if isinstance(value, str):
+        if value == ANY_JSON:
+            return value
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ApiError(f"json_schema is not valid JSON: {exc}", param=param) from None
+    if not isinstance(value, (dict, bool)):
+        raise ApiError("json_schema must be a JSON object (a schema)", param=param)
+    return json.dumps(value)  # keeps the order of the properties: the output follows it
+
+
+def _response_format_schema(rf: ResponseFormat) -> str | None:
+    """OpenAI's response_format as a JSON schema text (None for "text")."""
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise ApiError(
+                "response_format json_schema needs a json_schema object",
+                param="response_format.json_schema",
+            )
+        schema = rf.json_schema.schema
+        if schema is None:  # OpenAI makes the schema optional: any JSON object
+            return JSON_OBJECT_SCHEMA
+        return _schema_text(schema, "response_format.json_schema.schema")
+    raise ApiError(
+        f"response_format type {rf.type!r} is not supported (text, json_object, json_schema)",
+        param="response_format.type",
+        code="unsupported_value",
+    )
+
+
+# what SGLang's router puts in a chat request that came without a model
+ROUTER_NO_MODEL = "unknown"
+
+
 def check_model(model: str | None, limits: ModelLimits) -> None:
-    if model and model != limits.model_name:
+    if model and model != limits.model_name and model != ROUTER_NO_MODEL:
         raise ApiError(
             f"the model '{model}' does not exist; this server serves '{limits.model_name}'",
+            status=404,
             param="model",
             code="model_not_found",
         )
+
+
+def cache_salt(req: _OpenAIRequest | NativeGenerateRequest) -> str | None:
+    """The request's cache salt (``cache_salt`` or its alias ``extra_key``), validated: requests
+    share cached KV only with requests of the same salt (server/tenancy.py)."""
+    salt, param = req.cache_salt, "cache_salt"
+    if req.extra_key is not None:
+        if salt is not None and salt != req.extra_key:
+            raise ApiError(
+                "cache_salt and extra_key name the same salt; give one of them", param="extra_key"
+            )
+        salt, param = req.extra_key, "extra_key"
+    if salt is None:
+        return None
+    if not salt:
+        raise ApiError(f"{param} must be a non-empty string", param=param)
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(f"{param} is longer than {MAX_CACHE_SALT_CHARS} characters", param=param)
+    return salt
 
 
 def check_n(n: int, num_prompts: int = 1) -> None:
@@ -311,13 +573,14 @@ def check_n(n: int, num_prompts: int = 1) -> None:
         raise ApiError(f"at most {MAX_BATCH} generations per request (prompts x n)", param="n")
 
 
-def openai_max_tokens(req: _OpenAIRequest) -> tuple[int | None, str]:
-    """The requested completion budget and the field it came from (validated >= 1)."""
+def openai_max_tokens(req: _OpenAIRequest, minimum: int = 1) -> tuple[int | None, str]:
+    """The requested completion budget and the field it came from (validated >= minimum: 0 for
+    an echoed completion, which scores the prompt alone)."""
     value, param = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         value, param = req.max_completion_tokens, "max_completion_tokens"
-    if value is not None and value < 1:
-        raise ApiError(f"{param} must be at least 1, got {value}", param=param)
+    if value is not None and value < minimum:
+        raise ApiError(f"{param} must be at least {minimum}, got {value}", param=param)
     return value, param
 
 
@@ -372,6 +635,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         if msg.role not in CHAT_ROLES:
             raise ApiError(f"unknown role {msg.role!r}", param=f"messages[{i}].role")
         content = msg.content
+        if msg.tool_calls is not None and msg.role != "assistant":
+            raise ApiError("only assistant messages carry tool_calls", param=f"messages[{i}]")
+        if msg.role == "tool" and msg.tool_call_id is None:
+            raise ApiError(
+                "a tool message needs the tool_call_id it answers",
+                param=f"messages[{i}].tool_call_id",
+            )
         if content is None:
             if msg.role != "assistant":
                 raise ApiError("content must not be null", param=f"messages[{i}].content")
@@ -390,6 +660,17 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         entry = {"role": role, "content": content}
         if msg.name is not None:
             entry["name"] = msg.name
+        if msg.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+                for call in msg.tool_calls
+            ]
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
         out.append(entry)
     return out
 
@@ -461,10 +742,12 @@ class ChoiceState:
         "logprobs",
         "top_logprobs",
         "prompt_logprobs",
+        "prompt_top_logprobs",
         "finish_reason",
         "matched_stop",
         "completion_tokens",
         "cached_tokens",
+        "host_cached_tokens",
     )
 
     def __init__(self, index: int, rid: str, input_ids: list[int]) -> None:
@@ -476,10 +759,12 @@ class ChoiceState:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
         self.finish_reason: str | None = None
         self.matched_stop: int | str | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.host_cached_tokens = 0
 
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.text:
@@ -490,11 +775,13 @@ class ChoiceState:
             self.top_logprobs.extend(chunk.output_top_logprobs)
         if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
+            self.prompt_top_logprobs = chunk.prompt_top_logprobs
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             self.matched_stop = chunk.matched_stop
         self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens, len(self.ids))
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self.host_cached_tokens = max(self.host_cached_tokens, chunk.host_cached_tokens)
 
     @property
     def full_text(self) -> str:
@@ -618,6 +905,9 @@ def native_output(state: ChoiceState, inp: GenerateInput) -> dict:
         "prompt_tokens": state.prompt_tokens,
         "completion_tokens": state.completion_tokens,
         "cached_tokens": state.cached_tokens,
+        # the prefix's tiers: device_cached_tokens + host_cached_tokens == cached_tokens
+        "device_cached_tokens": state.cached_tokens - state.host_cached_tokens,
+        "host_cached_tokens": state.host_cached_tokens,
         "finish_reason": _finish_info(state),
     }
     if inp.return_logprob:
@@ -628,6 +918,8 @@ def native_output(state: ChoiceState, inp: GenerateInput) -> dict:
             ]
         if inp.logprob_start_len >= 0:
             meta["input_token_logprobs"] = _input_logprobs(state, inp.logprob_start_len)
+            if inp.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = _input_top_logprobs(state, inp.logprob_start_len)
     return {"text": state.full_text, "output_ids": list(state.ids), "meta_info": meta}
 
 
@@ -642,6 +934,18 @@ def _input_logprobs(state: ChoiceState, start: int) -> list[list]:
         k = pos - first_known
         out.append([values[k] if k >= 0 else None, ids[pos]])
     return out
+
+
+def _input_top_logprobs(state: ChoiceState, start: int) -> list[list | None]:
+    """[[logprob, id] of the top alternatives] (None where unknown) per prompt position >= start,
+    aligned like _input_logprobs."""
+    ids = state.input_ids
+    tops = state.prompt_top_logprobs or []
+    first_known = len(ids) - len(tops)
+    return [
+        [[lp, tok] for tok, lp in tops[pos - first_known]] if pos >= first_known else None
+        for pos in range(start, len(ids))
+    ]
 
 
 def choice_sampling(base: SamplingParams, max_new_tokens: int, index: int) -> SamplingParams:
@@ -670,6 +974,7 @@ class ChatRenderer:
         logprobs: bool,
         include_usage: bool,
         token_text: TokenText,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.id = id
         self.model = model
@@ -678,30 +983,51 @@ class ChatRenderer:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.token_text = token_text
+        self.tools = tools
         self._started: set[int] = set()
+        self._parsers: dict = {}  # choice index -> its ToolCallParser, when streaming tools
 
     def _logprobs(self, ids, logprobs, tops) -> dict | None:
         if not self.logprobs:
             return None
         return chat_logprobs(ids, logprobs, tops or [], self.token_text)
 
+    def _message(self, state: ChoiceState) -> tuple[dict, str | None]:
+        """The assistant message and finish reason of one choice (tool calls parsed out)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": state.full_text}, state.finish_reason
+        from radix_runtime.server.tools import parse_reply
+
+        content, calls = parse_reply(self.tools, state.full_text)
+        if not calls:
+            return {"role": "assistant", "content": content}, state.finish_reason
+        message = {
+            "role": "assistant",
+            "content": content or None,
+            "tool_calls": [c.message() for c in calls],
+        }
+        return message, _tool_finish(state.finish_reason)
+
     def response(self, states: list[ChoiceState]) -> dict:
+        choices = []
+        for s in states:
+            message, finish_reason = self._message(s)
+            choices.append(
+                {
+                    "index": s.index,
+                    "message": message,
+                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs),
+                    "finish_reason": finish_reason,
+                    "matched_stop": s.matched_stop,
+                }
+            )
         return {
             "id": self.id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": s.index,
-                    "message": {"role": "assistant", "content": s.full_text},
-                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs),
-                    "finish_reason": s.finish_reason,
-                    "matched_stop": s.matched_stop,
-                }
-                for s in states
-            ],
+            "choices": choices,
             "usage": usage(states, self.n),
         }
 
@@ -736,20 +1062,62 @@ class ChatRenderer:
                 )
             )
         has_logprobs = self.logprobs and chunk.ids
-        if chunk.text or chunk.finish_reason is not None or has_logprobs:
-            delta = {"content": chunk.text} if chunk.text or has_logprobs else {}
+        text, finish_reason, calls = chunk.text, chunk.finish_reason, []
+        if self.tools is not None:
+            text, calls, finish_reason = self._tool_step(state, chunk)
+        # the finish reason rides on the last content chunk, or follows the tool calls
+        final_here = finish_reason is not None and not calls
+        if text or has_logprobs or final_here:
             choice = {
                 "index": state.index,
-                "delta": delta,
+                "delta": {"content": text} if text or has_logprobs else {},
                 "logprobs": self._logprobs(
                     chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs
                 ),
-                "finish_reason": chunk.finish_reason,
+                "finish_reason": finish_reason if final_here else None,
             }
-            if chunk.finish_reason is not None:
+            if final_here:
                 choice["matched_stop"] = chunk.matched_stop
             out.append(self._chunk([choice]))
+        for call in calls:
+            for delta in call.deltas():
+                out.append(
+                    self._chunk(
+                        [
+                            {
+                                "index": state.index,
+                                "delta": {"tool_calls": [delta]},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
+        if finish_reason is not None and calls:
+            choice = {
+                "index": state.index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "matched_stop": chunk.matched_stop,
+            }
+            out.append(self._chunk([choice]))
         return out
+
+    def _tool_step(self, state: ChoiceState, chunk: GenerateChunk) -> tuple[str, list, str | None]:
+        parser = self._parsers.get(state.index)
+        if parser is None:
+            parser = self._parsers[state.index] = self.tools.new_parser()
+        step = parser.feed(chunk.text)
+        text, calls = step.content, list(step.calls)
+        finish_reason = chunk.finish_reason
+        if finish_reason is not None:
+            last = parser.finish()
+            text += last.content
+            calls += last.calls
+            if parser.calls:
+                finish_reason = _tool_finish(finish_reason)
+        return text, calls, finish_reason
 
     def stream_end(self, states: list[ChoiceState]) -> list[dict]:
         if not self.include_usage:
@@ -759,7 +1127,17 @@ class ChatRenderer:
         return [last]
 
 
+def _tool_finish(reason: str | None) -> str | None:
+    """A reply that ended by itself with tool calls finishes with ``tool_calls``."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 class CompletionRenderer:
+    """/v1/completions. With ``echo`` (one prompt text per choice in ``echo_prompts``) each
+    choice's text starts with its prompt, and with ``logprobs`` its logprobs start with the
+    prompt's tokens, the first with a ``null`` logprob (nothing comes before it), as OpenAI and
+    vLLM return them: what lm-evaluation-harness's log-likelihood tasks read."""
+
     def __init__(
         self,
         *,
@@ -769,6 +1147,7 @@ class CompletionRenderer:
         logprobs: int | None,
         include_usage: bool,
         token_text: TokenText,
+        echo_prompts: list[str] | None = None,
     ) -> None:
         self.id = id
         self.model = model
@@ -777,6 +1156,8 @@ class CompletionRenderer:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.token_text = token_text
+        self.echo_prompts = echo_prompts
+        self._echoed: set[int] = set()
 
     def _logprobs(self, ids, logprobs, tops, offset: int) -> dict | None:
         if self.logprobs is None:
@@ -785,23 +1166,66 @@ class CompletionRenderer:
             ids, logprobs, tops or [], self.token_text, offset, with_top=self.logprobs > 0
         )
 
+    def _echo(self, state: ChoiceState) -> tuple[str, dict | None]:
+        """The prompt's text and (with logprobs) its tokens' logprobs, once per choice."""
+        self._echoed.add(state.index)
+        text = self.echo_prompts[state.index]
+        if self.logprobs is None:
+            return text, None
+        ids = state.input_ids
+        values = state.prompt_logprobs or []
+        tops = state.prompt_top_logprobs or []
+        # positions 1.. have a logprob (the values cover the last len(values) positions)
+        lps: list[float | None] = [None] * (len(ids) - len(values)) + list(values)
+        tops_all = [None] * (len(ids) - len(tops)) + list(tops)
+        out = completion_logprobs(
+            ids, lps, [t or [] for t in tops_all], self.token_text, 0, self.logprobs > 0
+        )
+        if out["top_logprobs"] is not None:
+            out["top_logprobs"] = [
+                None if t is None else top for t, top in zip(tops_all, out["top_logprobs"])
+            ]
+        return text, out
+
+    def _choice_text_and_logprobs(
+        self, state: ChoiceState, text: str, ids, lps, tops, gen_offset: int
+    ) -> tuple[str, dict | None]:
+        """A choice's text and logprobs for generated `text` starting at `gen_offset` of the
+        generated text; the echoed prompt goes in front of the choice's first."""
+        prefix, prompt_lps = "", None
+        if self.echo_prompts is not None and state.index not in self._echoed:
+            prefix, prompt_lps = self._echo(state)
+        echoed = len(self.echo_prompts[state.index]) if self.echo_prompts is not None else 0
+        gen = self._logprobs(ids, lps, tops, echoed + gen_offset)
+        if prompt_lps is not None and gen is not None:
+            for key in ("tokens", "token_logprobs", "text_offset"):
+                gen[key] = prompt_lps[key] + gen[key]
+            if gen["top_logprobs"] is not None:
+                gen["top_logprobs"] = prompt_lps["top_logprobs"] + gen["top_logprobs"]
+        return prefix + text, gen
+
     def response(self, states: list[ChoiceState]) -> dict:
+        choices = []
+        for s in states:
+            text, logprobs = self._choice_text_and_logprobs(
+                s, s.full_text, s.ids, s.logprobs, s.top_logprobs, 0
+            )
+            choices.append(
+                {
+                    "index": s.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": s.finish_reason,
+                    "matched_stop": s.matched_stop,
+                }
+            )
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": s.index,
-                    "text": s.full_text,
-                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs, 0),
-                    "finish_reason": s.finish_reason,
-                    "matched_stop": s.matched_stop,
-                }
-                for s in states
-            ],
+            "choices": choices,
             "usage": usage(states, self.n),
         }
 
@@ -820,15 +1244,17 @@ class CompletionRenderer:
 
     def stream_chunk(self, state: ChoiceState, chunk: GenerateChunk) -> list[dict]:
         has_logprobs = self.logprobs is not None and chunk.ids
-        if not (chunk.text or chunk.finish_reason is not None or has_logprobs):
+        echo = self.echo_prompts is not None and state.index not in self._echoed
+        if not (chunk.text or chunk.finish_reason is not None or has_logprobs or echo):
             return []
         offset = len(state.full_text) - len(chunk.text)
+        text, logprobs = self._choice_text_and_logprobs(
+            state, chunk.text, chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs, offset
+        )
         choice = {
             "index": state.index,
-            "text": chunk.text,
-            "logprobs": self._logprobs(
-                chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs, offset
-            ),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": chunk.finish_reason,
         }
         if chunk.finish_reason is not None:

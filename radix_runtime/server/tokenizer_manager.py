@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ import zmq.asyncio
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.server.errors import GenerationError
+from radix_runtime.server.metrics import Metrics, RequestTiming
 from radix_runtime.server.protocol import GenerateChunk, GenerateInput
 from radix_runtime.tokenizer import IncrementalDetokenizer, StopMatcher
 from radix_runtime.utils.procs import endpoint, zmq_socket
@@ -29,10 +31,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class _HeldToken:
+    """An output token and where its text lies in the detokenized output ([start, end))."""
+
+    id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None
+    start: int
+    end: int
+
+
+@dataclass
 class _ReqState:
     inp: GenerateInput
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    timing: RequestTiming | None = None  # with metrics on
+    reached_scheduler: bool = False  # sent and not rejected: its finish is counted
 
 
 class TokenizerManager:
@@ -52,6 +67,9 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self._info_waiters: deque[asyncio.Future] = deque()
         self._flush_waiters: deque[asyncio.Future] = deque()
+        self._metrics_waiters: deque[asyncio.Future] = deque()
+        self._tree_waiters: deque[asyncio.Future] = deque()
+        self.metrics: Metrics | None = None  # made in start(), once the model name is final
         self._ready: asyncio.Future | None = None
         self._recv_task: asyncio.Task | None = None
         self.on_fatal: Callable[[str], None] | None = None
@@ -73,6 +91,8 @@ class TokenizerManager:
         self.context_length = ready.context_length
         self.vocab_size = ready.vocab_size
         self.max_total_tokens = ready.max_total_tokens
+        if not self.args.disable_metrics:
+            self.metrics = Metrics(self.model_name)
         self.healthy = True
 
     async def close(self) -> None:
@@ -95,7 +115,12 @@ class TokenizerManager:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(message))
         self.fail_inflight(message)
-        for waiters in (self._info_waiters, self._flush_waiters):
+        for waiters in (
+            self._info_waiters,
+            self._flush_waiters,
+            self._metrics_waiters,
+            self._tree_waiters,
+        ):
             while waiters:
                 fut = waiters.popleft()
                 if not fut.done():
@@ -124,10 +149,21 @@ class TokenizerManager:
                 logger.warning("dropped a malformed frame (%d bytes): %s", len(frame), exc)
                 continue
             if isinstance(msg, m.BatchOutput):
+                now = time.perf_counter()
+                metrics = self.metrics
                 for out in msg.outputs:
                     state = self.states.get(out.rid)
                     if state is not None:
                         state.queue.put_nowait(out)
+                        if metrics is not None and out.new_ids:
+                            metrics.on_tokens(state.timing, len(out.new_ids) // 4, now)
+            elif isinstance(msg, m.SchedulerMetrics):
+                # NOTE: applied whether or not a scrape still waits, so no increment is lost
+                if self.metrics is not None:
+                    self.metrics.apply(msg)
+                self._resolve(self._metrics_waiters, msg)
+            elif isinstance(msg, m.CacheTree):
+                self._resolve(self._tree_waiters, msg)
             elif isinstance(msg, m.ServerInfo):
                 self._resolve(self._info_waiters, msg)
             elif isinstance(msg, m.FlushCacheDone):
@@ -170,6 +206,8 @@ class TokenizerManager:
                 f"request id {rid!r} is already running", "duplicate_request_id", 400
             )
         state = _ReqState(inp)
+        if self.metrics is not None:
+            state.timing = RequestTiming()
         self.states[rid] = state
         logger.debug("request %s: %d prompt tokens to the scheduler", rid, len(inp.input_ids))
         try:
@@ -181,12 +219,16 @@ class TokenizerManager:
                     return_logprob=inp.return_logprob,
                     top_logprobs_num=inp.top_logprobs_num,
                     logprob_start_len=inp.logprob_start_len,
+                    cache_namespace=inp.cache_namespace,
                 )
             )
+            state.reached_scheduler = True
             async for chunk in self._stream(rid, state):
                 yield chunk
         finally:
             self.states.pop(rid, None)
+            if self.metrics is not None and state.reached_scheduler:
+                self.metrics.on_finish(state.timing, "abort")  # no-op when already counted
             if not state.finished and self.healthy:
                 # the consumer went away (client disconnect, cancellation): free its pages now
                 await self._send(m.AbortReq(rid=rid))
@@ -198,38 +240,100 @@ class TokenizerManager:
             if self.tokenizer is not None
             else None  # dummy weights without a tokenizer: token ids only
         )
-        stops = StopMatcher(inp.stop) if inp.stop else None
+        # (without a tokenizer there is no text for a stop string to match)
+        stops = StopMatcher(inp.stop) if inp.stop and detok is not None else None
         completion_tokens = 0
         prompt_lps: list[float] = []
+        prompt_tops: list[list[tuple[int, float]]] = []
+        # Output tokens whose text the stop matcher still holds back wait with it, so that the
+        # tokens of a stop string it trims never reach completion_tokens or the logprobs, and a
+        # stream reports what the non-streamed response does. Offsets count characters of the
+        # detokenized output: `produced` so far, `emitted` of them released by the matcher.
+        held: list[_HeldToken] = []
+        produced = emitted = 0
         while True:
             out: m.ReqOutput = await state.queue.get()
             if out.error is not None:
                 state.finished = True
+                state.reached_scheduler = False  # rejected or failed: not a finished request
                 status = 503 if out.error_code == "server_error" else 400
                 raise GenerationError(out.error, out.error_code or "invalid_request", status)
             ids = m.unpack_ids(out.new_ids).tolist() if out.new_ids else []
             if out.prompt_logprobs:
                 prompt_lps.extend(m.unpack_floats(out.prompt_logprobs).tolist())
+                if out.prompt_top_ids and inp.top_logprobs_num:
+                    k = inp.top_logprobs_num
+                    tids = m.unpack_ids(out.prompt_top_ids).reshape(-1, k).tolist()
+                    tlps = m.unpack_floats(out.prompt_top_logprobs).reshape(-1, k).tolist()
+                    prompt_tops.extend(list(zip(a, b)) for a, b in zip(tids, tlps))
             finish = out.finish_reason
             matched = out.matched_stop
+            lps: list[float] = []
+            tops: list[list[tuple[int, float]]] | None = None
+            if inp.return_logprob and out.output_logprobs:
+                lps = m.unpack_floats(out.output_logprobs).tolist()
+                if inp.top_logprobs_num and out.top_ids:
+                    k = inp.top_logprobs_num
+                    tids = m.unpack_ids(out.top_ids).reshape(-1, k)
+                    tlps = m.unpack_floats(out.top_logprobs).reshape(-1, k)
+                    tops = [
+                        list(zip(r_ids.tolist(), r_lps.tolist()))
+                        for r_ids, r_lps in zip(tids, tlps)
+                    ]
             # the stop token itself is not part of the text
-            visible = ids[:-1] if finish == "stop" and matched is not None and ids else ids
+            n_visible = (
+                len(ids) - 1 if finish == "stop" and matched is not None and ids else len(ids)
+            )
             text = ""
-            if detok is not None:
-                text = detok.add(visible) if visible else ""
-                if finish is not None:
-                    text += detok.flush()
-            completion_tokens += len(ids)
+            for i, tok in enumerate(ids):
+                start = produced
+                if detok is not None and i < n_visible:
+                    delta = detok.add([tok])
+                    text += delta
+                    produced += len(delta)
+                held.append(
+                    _HeldToken(
+                        tok,
+                        lps[i] if i < len(lps) else None,
+                        tops[i] if tops is not None and i < len(tops) else None,
+                        start,
+                        produced,
+                    )
+                )
+            if detok is not None and finish is not None:
+                delta = detok.flush()
+                text += delta
+                produced += len(delta)
             if stops is not None:
                 text, stopped = stops.feed(text)
+                emitted += len(text)
                 if stopped and finish is None:
                     finish, matched = "stop", stops.matched
                     state.finished = True
                     await self._send(m.AbortReq(rid=rid))
                 elif finish is not None and not stopped:
-                    text += stops.flush()
+                    flushed = stops.flush()
+                    text += flushed
+                    emitted += len(flushed)
+                if stopped:
+                    # NOTE: the tokens of a trimmed stop string (and after it) are dropped: not
+                    # counted, no logprobs; a token with any character in the text is kept
+                    held = [t for t in held if t.start < emitted]
+                    released, held = held, []
+                elif finish is not None:
+                    released, held = held, []
+                else:
+                    # a token whose text is all held back (it may start a stop string) waits
+                    cut = next((j for j, t in enumerate(held) if t.start >= emitted), len(held))
+                    released, held = held[:cut], held[cut:]
+            else:
+                released, held = held, []
+            completion_tokens += len(released)
             if finish is not None:
                 state.finished = True
+                if self.metrics is not None:
+                    self.metrics.on_finish(state.timing, finish)
+            ids = [t.id for t in released]
             chunk = GenerateChunk(
                 text=text,
                 ids=ids,
@@ -238,19 +342,16 @@ class TokenizerManager:
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=completion_tokens,
                 cached_tokens=out.cached_tokens,
+                host_cached_tokens=out.host_cached_tokens,
             )
-            if inp.return_logprob and out.output_logprobs:
-                chunk.output_logprobs = m.unpack_floats(out.output_logprobs).tolist()
-                if inp.top_logprobs_num and out.top_ids:
-                    k = inp.top_logprobs_num
-                    tids = m.unpack_ids(out.top_ids).reshape(-1, k)
-                    tlps = m.unpack_floats(out.top_logprobs).reshape(-1, k)
-                    chunk.output_top_logprobs = [
-                        list(zip(r_ids.tolist(), r_lps.tolist()))
-                        for r_ids, r_lps in zip(tids, tlps)
-                    ]
+            if inp.return_logprob and any(t.logprob is not None for t in released):
+                chunk.output_logprobs = [t.logprob for t in released]
+                if inp.top_logprobs_num:
+                    chunk.output_top_logprobs = [t.top or [] for t in released]
             if prompt_lps and (finish is not None or ids):
                 chunk.prompt_logprobs, prompt_lps = prompt_lps, []
+                if prompt_tops:
+                    chunk.prompt_top_logprobs, prompt_tops = prompt_tops, []
             if ids or text or finish is not None or chunk.prompt_logprobs:
                 yield chunk
             if finish is not None:
@@ -272,13 +373,30 @@ class TokenizerManager:
         # every field, zero counters included (the wire format omits defaults)
         return msgspec.to_builtins(msgspec.structs.asdict(info))
 
-    async def flush_cache(self) -> bool:
+    async def _ask(self, waiters: deque, msg, timeout: float = 30):
+        """Send a control message to the scheduler and await its reply (replies come in order)."""
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        await self._send(m.FlushCacheReq())
-        done: m.FlushCacheDone = await asyncio.wait_for(fut, 30)
-        return done.ok
+        waiters.append(fut)
+        await self._send(msg)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> dict:
+        """Drop every unlocked node of the radix tree; what was dropped and what stayed."""
+        done: m.FlushCacheDone = await self._ask(self._flush_waiters, m.FlushCacheReq())
+        out = msgspec.to_builtins(msgspec.structs.asdict(done))
+        out["success"] = out.pop("ok")
+        return out
+
+    async def refresh_metrics(self) -> None:
+        """Bring the scheduler's latest numbers into `self.metrics` (the receive loop applies
+        them)."""
+        await self._ask(self._metrics_waiters, m.MetricsReq())
+
+    async def cache_tree(self, max_depth: int, max_children: int, max_nodes: int) -> m.CacheTree:
+        return await self._ask(
+            self._tree_waiters, m.CacheTreeReq(max_depth, max_children, max_nodes)
+        )
 
     def _check_alive(self) -> None:
         if not self.healthy:

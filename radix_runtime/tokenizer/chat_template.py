@@ -142,6 +142,20 @@ def compile_template(source: str) -> jinja2.Template:
         raise ValueError(f"the chat template does not parse: {e}") from e
 
 
+@lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its context (``messages``, ``tools``, ...)."""
+    import jinja2.meta
+
+    env = compile_template(source).environment
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+
+
+def supports_tools(source: str) -> bool:
+    """Whether the template renders a ``tools`` list itself (Qwen2.5, Llama 3.1, Hermes...)."""
+    return "tools" in template_variables(source)
+
+
 def render_chat(
     template: str,
     messages: Any,

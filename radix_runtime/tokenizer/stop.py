@@ -27,7 +27,7 @@ class StopMatcher:
         if not self.stops:
             return delta, False
         buf = self._held + delta
-        hit = self._earliest_match(buf)
+        hit = self._first_completed(buf)
         if hit is not None:
             pos, stop = hit
             self.stopped, self.matched, self._held = True, stop, ""
@@ -41,12 +41,17 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _earliest_match(self, buf: str) -> tuple[int, str] | None:
-        # the earliest start wins; at one start the longer stop string (it contains the other)
+    def _first_completed(self, buf: str) -> tuple[int, str] | None:
+        """The stop string that completes first (the earliest end; at one end the longer, which
+        starts earlier): where generation stops when text arrives a character at a time, so the
+        result does not depend on how the text was cut into deltas. Returns (start, string)."""
         best: tuple[int, str] | None = None
         for s in self.stops:
             i = buf.find(s)
-            if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
+            if i < 0:
+                continue
+            end, best_end = i + len(s), best and best[0] + len(best[1])
+            if best is None or end < best_end or (end == best_end and i < best[0]):
                 best = (i, s)
         return best
 

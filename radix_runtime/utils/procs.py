@@ -95,9 +95,14 @@ def configure_logging(level: str, role: str) -> None:
 # nothing is pickled and secrets (the API key) never show up in `ps`.
 
 
-def spawn_child(module: str, payload: dict) -> subprocess.Popen:
+def spawn_child(
+    module: str, payload: dict, env: dict | None = None, new_session: bool = False
+) -> subprocess.Popen:
+    """`env`: variables to set on top of ours. `new_session`: the child (and what it starts) gets
+    its own process group, so signals sent to ours (Ctrl-C, `kill -- -PGID`) reach only us and
+    we decide what to forward (the data-parallel supervisor does)."""
     payload = {**payload, "parent_pid": os.getpid()}
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.setdefault("PYTHONUNBUFFERED", "1")
     # OpenMP threads that spin while waiting starve the other processes of the server on a
     # small CPU machine (measured: a decode step 1.0 s spinning vs 0.13-0.2 s passive on 2
@@ -107,7 +112,7 @@ def spawn_child(module: str, payload: dict) -> subprocess.Popen:
         [sys.executable, "-m", module],
         stdin=subprocess.PIPE,
         env=env,
-        start_new_session=False,
+        start_new_session=new_session,
     )
     assert proc.stdin is not None
     proc.stdin.write((json.dumps(payload) + "\n").encode())

@@ -3,7 +3,12 @@
 llama.cpp's converter permutes the rows of Q and K of `llama`-architecture models so that its
 interleaved (GPT-J style) RoPE equals HF's rotate_half RoPE. We run rotate_half, so the
 permutation is undone here (`reverse_permute`, as transformers' GGUF integration does).
-Qwen2 files use llama.cpp's NEOX RoPE and are stored unpermuted.
+Qwen2, Qwen3 and Gemma 3 files use llama.cpp's NEOX RoPE and are stored unpermuted.
+
+Gemma 3: llama.cpp stores every norm weight as (1 + w) (its RMSNorm multiplies by the weight);
+we subtract the 1 back. The GGUF carries no layer pattern, local RoPE base or attention scale:
+llama.cpp hard-codes them (every 6th layer global, base 10,000 for local layers, scale
+(hidden / heads) ** -0.5 for the 62-layer 27B and head_dim ** -0.5 otherwise), and so do we.
 """
 
 from __future__ import annotations
@@ -13,13 +18,22 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from radix_runtime.worker.model_config import ModelConfig
+from radix_runtime.worker.model_config import ModelConfig, UnsupportedModel
 
 # architectures whose Q/K rows llama.cpp permuted on conversion
 _PERMUTED_ARCHS = ("llama",)
-_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2"}
+# general.architecture -> (ModelConfig.model_type, the family in models/registry.py)
+_ARCH_TO_MODEL_TYPE = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+}
+_ARCH_FAMILY = {"qwen3": "qwen3", "gemma3": "gemma3"}
+_GEMMA3_SWA_PATTERN = 6
+_NORM_SHIFTED_ARCHS = ("gemma3",)
 # end-of-turn markers that chat templates emit; when the template uses one, it also ends generation
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -31,6 +45,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# per-architecture differences (Gemma's ffn_norm is the norm before the MLP, and it has two more)
+_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -46,13 +70,14 @@ def open_gguf(path: str):
     return GGUFReader(path)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
@@ -99,7 +124,10 @@ def _tensor_by_name(reader, name: str):
 def config_from_gguf(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _ARCH_TO_MODEL_TYPE:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2 are)")
+        raise UnsupportedModel(
+            f"GGUF general.architecture = {arch!r} is not supported "
+            f"({', '.join(_ARCH_TO_MODEL_TYPE)} are)"
+        )
 
     def get(key: str, default=None):
         return _field(reader, f"{arch}.{key}", default)
@@ -107,19 +135,38 @@ def config_from_gguf(reader) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     embed = _tensor_by_name(reader, "token_embd.weight")
-    scaling = None
-    if get("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    scaling = _gguf_rope_scaling(get)
+    if get("expert_count"):
+        raise UnsupportedModel(f"GGUF {arch}.expert_count = {get('expert_count')}: MoE")
     freqs = _tensor_by_name(reader, ROPE_FREQS)
+    num_layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
+    family = _ARCH_FAMILY.get(arch, "llama")
+    extra: dict = {}
+    if family == "gemma3":
+        window = int(get("attention.sliding_window"))
+        extra = {
+            "layer_windows": tuple(
+                0 if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else window for i in range(num_layers)
+            ),
+            "attn_scale": (hidden // heads if num_layers == 62 else head_dim) ** -0.5,
+            "rope_local_theta": 10000.0,
+            "hidden_act": "gelu_pytorch_tanh",
+        }
+    elif get("attention.sliding_window"):
+        raise UnsupportedModel(f"GGUF {arch}.attention.sliding_window on a {arch} model")
     return ModelConfig(
+        architecture=family,
+        qk_norm=family != "llama",
+        **extra,
         model_type=_ARCH_TO_MODEL_TYPE[arch],
         vocab_size=int(get("vocab_size") or int(embed.shape[1])),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv") or heads),
-        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 4096)),
@@ -129,6 +176,23 @@ def config_from_gguf(reader) -> ModelConfig:
         rope_freq_factors=None if freqs is None else tuple(float(x) for x in freqs.data),
         eos_token_ids=tuple(_eos_ids(reader)),
     )
+
+
+def _gguf_rope_scaling(get) -> dict | None:
+    """llama.cpp's rope.scaling.* keys -> our scaling dict (linear, yarn), or a refusal."""
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = float(get("rope.scaling.factor"))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        }
+    raise UnsupportedModel(f"GGUF rope.scaling.type = {kind!r} is not supported (linear, yarn are)")
 
 
 def dequantize_tensor(t) -> np.ndarray:
@@ -144,16 +208,19 @@ def dequantize_tensor(t) -> np.ndarray:
 
 def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every weight, Q/K unpermuted where llama.cpp permuted them."""
-    permuted = _field(reader, "general.architecture") in _PERMUTED_ARCHS
+    arch = _field(reader, "general.architecture")
+    permuted = arch in _PERMUTED_ARCHS
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
         values = dequantize_tensor(t)
+        if arch in _NORM_SHIFTED_ARCHS and t.name.endswith("norm.weight"):
+            values = values - 1.0
         if permuted and ".attn_q." in t.name:
             values = reverse_permute(values, config.num_heads)
         elif permuted and ".attn_k." in t.name:
             values = reverse_permute(values, config.num_kv_heads)
-        yield hf_tensor_name(t.name), torch.from_numpy(values)
+        yield hf_tensor_name(t.name, arch), torch.from_numpy(values)
 
 
 def num_weight_tensors(reader) -> int:

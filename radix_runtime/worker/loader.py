@@ -24,9 +24,10 @@ from tqdm import tqdm
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.model_source import ModelSource, resolve_model
-from radix_runtime.worker import cpu_quant, gguf_format
-from radix_runtime.worker.model_config import ModelConfig, load_hf_config
-from radix_runtime.worker.models.llama import LlamaForCausalLM, build_model, fuse_checkpoint
+from radix_runtime.worker import cpu_quant, gguf_format, quant
+from radix_runtime.worker.model_config import ModelConfig, UnsupportedModel, load_hf_config
+from radix_runtime.worker.models.llama import LlamaForCausalLM, fuse_checkpoint
+from radix_runtime.worker.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class LoadedModel:
     model: LlamaForCausalLM
     load_s: float
     cache_hit: bool | None = None  # GGUF only: whether the converted cache was used
+    # per layer (k_scale, v_scale) an FP8 checkpoint carries for an FP8 KV cache
+    kv_scales: dict[int, tuple[float, float]] | None = None
+    quantization: str = "none"  # the weights: none | fp8 | awq | gptq (worker/quant.py)
     dtype: torch.dtype = torch.float32  # of the activations (and the KV cache)
     weight_format: str = "float32"  # on the CPU: float32 | bfloat16 | int8 | int4
 
@@ -58,6 +62,8 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
         )
     t0 = time.perf_counter()
     cache_hit = None
+    kv_scales: dict[int, list[float]] = {}
+    quantization = "none"
     if source.kind == "dummy":
         config = load_hf_config(source.path)
         model = build_model(config, device, dtype)
@@ -66,9 +72,20 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
         config = load_hf_config(source.path)
         model = build_model(config, device, dtype)
         files = safetensors_files(source.path)
-        model.load_weights(
-            _progress(iter_safetensors(files), "loading weights", _count_keys(files))
-        )
+        weights = _progress(iter_safetensors(files), "loading weights", _count_keys(files))
+        scheme = config.quantization or {"method": "none"}
+        if scheme["method"] != "none" and args.quantization not in ("none", scheme["method"]):
+            raise UnsupportedModel(
+                f"--quantization {args.quantization} on a checkpoint already quantized with "
+                f"{scheme['method']}"
+            )
+        if scheme["method"] == "fp8":
+            quant.use_fp8_layers(model, device)
+            weights = quant.fp8_checkpoint(weights, kv_scales)
+        elif scheme["method"] in ("awq", "gptq"):
+            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales)
+            quantization = scheme["method"]
+        model.load_weights(weights)
     elif source.kind == "gguf":
         config, weights, total, cache_hit = gguf_checkpoint(source.path)
         gguf_types = gguf_format.tensor_types(gguf_format.open_gguf(source.path))
@@ -79,16 +96,28 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
         model.load_weights(_progress(weights, "loading weights", total))
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
+    if args.quantization == "fp8" and model.quantization == "none":
+        quant.quantize_model_fp8(model)
+    elif args.quantization == "int4" and quantization == "none":
+        quant.quantize_model_int4_rtn(model)
+    if model.quantization != "none":
+        quantization = model.quantization
     if source.kind != "gguf":
         gguf_types = {}
         weight_format = resolve_cpu_weight_format(args, device, dtype, gguf_types)
-    if device.type == "cpu" and weight_format != "float32":
+    if quantization != "none":  # --quantization / a quantized checkpoint: its own layers
+        weight_format = "float32" if device.type == "cpu" else weight_format
+    elif device.type == "cpu" and weight_format != "float32":
         model, dtype = to_cpu_weight_format(model, weight_format, gguf_types), torch.bfloat16
     load_s = time.perf_counter() - t0
     logger.info(
-        "loaded %s (%s) in %.2fs, weights %s", source.name, source.kind, load_s, weight_format
+        "loaded %s (%s, weights %s, CPU format %s) in %.2fs",
+        source.name, source.kind, quantization, weight_format, load_s,
+    )  # fmt: skip
+    scales = {i: (k, v) for i, (k, v) in kv_scales.items()} or None
+    return LoadedModel(
+        source, config, model, load_s, cache_hit, scales, quantization, dtype, weight_format
     )
-    return LoadedModel(source, config, model, load_s, cache_hit, dtype, weight_format)
 
 
 def resolve_cpu_weight_format(
@@ -101,6 +130,8 @@ def resolve_cpu_weight_format(
         if fmt != "auto":
             raise ValueError("--cpu-weight-format applies to the CPU; leave it at auto on CUDA")
         return str(dtype).removeprefix("torch.")
+    if args.quantization != "none":  # worker/quant.py's layers, in --dtype
+        return "float32"
     if fmt == "auto":
         if args.dtype == "float32":
             return "float32"

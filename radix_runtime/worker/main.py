@@ -53,6 +53,8 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
         time.sleep(0.2)
         raise SystemExit(2) from exc
     outbox.send(m.encode(runner.ready_info()))
+    if runner.grammars is not None:
+        runner.grammars.warm()  # in the background: the first constrained request is faster
     hang_at = int(os.environ.get(HANG_AT_STEP_ENV, "0") or 0)
 
     def fail(what: str, exc: Exception) -> None:
@@ -70,10 +72,14 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
 
     pending = None  # the launched step whose result is not sent yet
     while True:
+        for done in runner.finished_compiles():  # grammars compiled on the side threads
+            outbox.send(m.encode(done))
         if pending is not None and not wait_for_batch(inbox, pending):
             finish(pending)  # it is done and nothing new came: never hold a result back
             pending = None
             continue
+        if runner.compiles_pending() and not inbox.poll(_COMPILE_POLL_MS):
+            continue  # report a compile as soon as it is done
         frame = inbox.recv()
         try:
             msg = m.decode(frame)
@@ -93,6 +99,8 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
             if pending is not None:  # the device already holds `launched` behind it
                 finish(pending)
             pending = launched
+        elif isinstance(msg, m.CompileGrammar):
+            runner.compile_grammar(msg.kind, msg.text)
         elif isinstance(msg, m.ShutdownReq):
             return
         else:
@@ -103,6 +111,8 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
 # (a decode step is a few ms, and cudaEventSynchronize spins too by default); past it, poll with
 # a 1 ms timeout, so a long step does not keep a core busy
 _SPIN_S = 0.5
+# while grammars compile and no step runs, look for finished compiles this often
+_COMPILE_POLL_MS = 2
 
 
 def wait_for_batch(inbox, pending) -> bool:

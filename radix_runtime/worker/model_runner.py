@@ -35,12 +35,14 @@ from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.host_copy import to_device
-from radix_runtime.worker.kv_pool import KVPool, num_pages_for
+from radix_runtime.worker.host_pool import HostKVPool, host_pool_pages, measure_load_bandwidth
+from radix_runtime.worker.kv_pool import KVPool, kv_storage_dtype, num_pages_for
 from radix_runtime.worker.loader import load_model
 from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
 
 logger = logging.getLogger(__name__)
 
+NO_GRAMMAR = "constrained decoding is not available (xgrammar is not installed)"
 _PLACEHOLDER = np.zeros(1, np.int32)  # a from_last_sample row's input id on the host
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,6 +95,7 @@ class PendingStep:
     host: list[torch.Tensor] | None = None  # sample.tensors() + prompt logprobs, on the host
     event: torch.cuda.Event | None = None  # recorded after the device-to-host copies
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
+    load: object = None  # the host tier's load timing (HostKVPool.load_time)
 
     def ready(self) -> bool:
         """True when `collect` would not wait (always, off CUDA)."""
@@ -111,18 +114,39 @@ class ModelRunner:
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.dtype, self.weight_format = loaded.dtype, loaded.weight_format
         self.model_name = loaded.source.name
+        self.kv_scales = loaded.kv_scales  # per layer (k, v) from the checkpoint, for an FP8 pool
+        self.quantization = loaded.quantization
+        self._no_grammar: list[m.GrammarCompiled] = []
         c = self.config
         self.page_size = args.page_size
         self.context_length = args.context_length or c.max_position_embeddings
         self.kv_pool = self._allocate_kv_pool()
+        self.host_pool: HostKVPool | None = None
+        self.load_bandwidth = 0.0
+        if args.enable_hierarchical_cache and not args.disable_radix_cache:
+            self.host_pool = self._allocate_host_pool()
         self.attn = create_backend(
-            self._backend_name(), c.num_heads, c.num_kv_heads, c.head_dim, self.device
+            self._backend_name(),
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            self.device,
+            scale=c.softmax_scale,
+            layer_windows=c.layer_windows,
         )
         self.attn.bind_pool(self.kv_pool)
         self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
         # req_to_page[slot, i]: the page holding positions [i * page_size, (i + 1) * page_size)
         self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
-        self.sampler = Sampler(c.vocab_size, self.device, args.seed)
+        self.grammars = self._grammar_cache(loaded.source)
+        self.sampler = Sampler(
+            c.vocab_size,
+            self.device,
+            args.seed,
+            list(c.eos_token_ids),
+            self.grammars,
+            jump_forward=args.enable_jump_forward,
+        )
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(
@@ -157,6 +181,53 @@ class ModelRunner:
             self.attn.name, "on" if self.cuda_graphs else "off",
         )  # fmt: skip
 
+    def _grammar_cache(self, source):
+        """Constrained decoding's compile cache; None without xgrammar or without a tokenizer
+        (a constrained request then fails with a clear error)."""
+        try:
+            from radix_runtime.grammar.compiler import GrammarCache
+        except ImportError:
+            logger.warning("xgrammar is not installed: constrained decoding is off")
+            return None
+
+        def load():
+            from radix_runtime.tokenizer import load_tokenizer
+
+            # the tokenizer the front uses (a dummy model without one: the default vocabulary)
+            return load_tokenizer(self.args.tokenizer or source)
+
+        return GrammarCache(
+            load,
+            self.config.vocab_size,
+            list(self.config.eos_token_ids),
+            threads=self.args.grammar_compile_threads,
+        )
+
+    def compile_grammar(self, kind: str, text: str) -> None:
+        """Start compiling a grammar (the outcome comes from `finished_compiles`)."""
+        if self.grammars is None:
+            self._no_grammar.append(m.GrammarCompiled(kind=kind, text=text, error=NO_GRAMMAR))
+            return
+        self.grammars.submit(kind, text)
+
+    def finished_compiles(self) -> list[m.GrammarCompiled]:
+        out, self._no_grammar = self._no_grammar, []
+        if self.grammars is not None:
+            out += [
+                m.GrammarCompiled(
+                    kind=d.kind,
+                    text=d.text,
+                    error=d.error,
+                    compile_s=d.compile_s,
+                    cache_hit=d.cache_hit,
+                )  # fmt: skip
+                for d in self.grammars.take_finished()
+            ]
+        return out
+
+    def compiles_pending(self) -> bool:
+        return self.grammars is not None and self.grammars.pending() > 0
+
     def _backend_name(self) -> str:
         """auto: flashinfer on CUDA in bf16/fp16 (it has no float32 kernels), else torch."""
         name = resolve_backend_name(self.args.attention_backend, self.device)
@@ -176,7 +247,8 @@ class ModelRunner:
 
     def _allocate_kv_pool(self) -> KVPool:
         c, args = self.config, self.args
-        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         num_pages = num_pages_for(
             args.max_total_tokens, self.page_size, self.device, per_token, args.mem_fraction_static
         )
@@ -189,12 +261,34 @@ class ModelRunner:
             self.page_size,
             c.num_kv_heads,
             c.head_dim,
-            self.dtype,
+            kv_dtype,
             self.device,
+            act_dtype=self.dtype,
+            kv_scales=self.kv_scales if kv_dtype != self.dtype else None,
         )
 
+    def _allocate_host_pool(self) -> HostKVPool:
+        c, args = self.config, self.args
+        per_token = KVPool.bytes_per_token(
+            c.num_layers, c.num_kv_heads, c.head_dim, self.kv_pool.dtype
+        )
+        pages = host_pool_pages(self.kv_pool, args.hicache_size, args.hicache_ratio, per_token)
+        pool = HostKVPool(self.kv_pool, pages)
+        self.load_bandwidth = measure_load_bandwidth(self.device)
+        logger.info(
+            "host KV tier: %d pages, %.2f GiB%s; load bandwidth %.1f GB/s",
+            pages, pool.nbytes / 2**30, " pinned" if pool.cuda else "", self.load_bandwidth / 1e9,
+        )  # fmt: skip
+        return pool
+
     def ready_info(self) -> m.WorkerReady:
+        c = self.config
         return m.WorkerReady(
+            host_num_pages=self.host_pool.num_pages if self.host_pool is not None else 0,
+            kv_bytes_per_token=KVPool.bytes_per_token(
+                c.num_layers, c.num_kv_heads, c.head_dim, self.kv_pool.dtype
+            ),
+            load_bandwidth=self.load_bandwidth,
             num_pages=self.kv_pool.num_pages,
             page_size=self.page_size,
             context_length=self.context_length,
@@ -203,6 +297,8 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.attn.name,
+            kv_cache_dtype=self.kv_pool.kv_cache_dtype,
+            quantization=self.quantization,
         )
 
     def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
@@ -223,6 +319,10 @@ class ModelRunner:
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
+        if batch.write_src or batch.load_src or self.host_pool is not None:
+            # NOTE: with a host tier every step goes through it, copies or not: it also waits
+            # for the previous batch's writes (their device pages may be reused now)
+            pending.load = self._host_copies(batch)
         if not batch.reqs:
             return pending
         reqs = batch.reqs
@@ -244,22 +344,37 @@ class ModelRunner:
                 [reqs[i].top_logprobs_num for i in sampled],
             )
             self.last_sampled[to_device(slots, torch.long, self.device)] = out.next_ids
-            for slot in slots:
-                self.sampler.slots[slot].sampled = True
             pending.sample, pending.sampled = out, sampled
             fetch.extend(out.tensors())
         pending.prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs]
         for i in pending.prompt_rows:
-            fetch.append(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
+            fetch.extend(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
         pending.host, pending.event = self._copy_to_host(fetch)
+        if sampled:  # host[0]: the sampled ids (a grammar accepts its token from there)
+            self.sampler.note_sampled(slots, batch.step, pending.host[0], pending.event)
         if keep_logits:
             pending.logits = per_req
         return pending
+
+    def _host_copies(self, batch: m.ForwardBatch):
+        """The host tier's copies of this batch, queued before its model (HostKVPool.copy)."""
+        if self.host_pool is None:
+            raise ValueError(
+                "host-tier copies sent to a worker without --enable-hierarchical-cache"
+            )
+        return self.host_pool.copy(
+            m.unpack_ids(batch.write_src),
+            m.unpack_ids(batch.write_dst),
+            m.unpack_ids(batch.load_src),
+            m.unpack_ids(batch.load_dst),
+            batch.writes_block,
+        )
 
     def collect(self, pending: PendingStep) -> m.ForwardResult:
         """Wait for a launched step and pack its result."""
         if pending.event is not None:
             pending.event.synchronize()
+        load_s = HostKVPool.load_time(pending.load) if pending.load is not None else 0.0
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0
@@ -269,14 +384,30 @@ class ModelRunner:
             for j, i in enumerate(pending.sampled):
                 res = results[i]
                 res.next_id = out.next_ids[j]
+                req = pending.reqs[i]
+                # no jump-forward for logprob requests: forced tokens have no model logprob
+                jump = not req.return_logprob and req.top_logprobs_num == 0
+                done, error, forced = self.sampler.grammar_status(req.slot, pending.step, jump)
+                res.grammar_done, res.grammar_error = done, error
+                if forced:
+                    res.jump_ids = m.pack_ids(forced)
                 res.logprob = out.logprobs[j]
                 if pending.reqs[i].top_logprobs_num > 0:
                     res.top_ids = m.pack_ids(out.top_ids[j])
                     res.top_logprobs = m.pack_floats(out.top_logprobs[j])
-        for i, lps in zip(pending.prompt_rows or [], host[used:]):
+        for i in pending.prompt_rows or []:
+            lps = host[used]
             results[i].prompt_logprobs = m.pack_floats(lps.numpy().astype(np.float32))
+            used += 1
+            if pending.reqs[i].top_logprobs_num > 0:  # and the top-k of each position
+                top_vals, top_idx = host[used], host[used + 1]
+                results[i].prompt_top_logprobs = m.pack_floats(top_vals.numpy().reshape(-1))
+                results[i].prompt_top_ids = m.pack_ids(top_idx.numpy().reshape(-1))
+                used += 2
         forward_s = time.perf_counter() - pending.t0
-        return m.ForwardResult(step=pending.step, results=results, forward_s=forward_s)
+        return m.ForwardResult(
+            step=pending.step, results=results, forward_s=forward_s, load_s=load_s
+        )
 
     def _copy_to_host(
         self, tensors: list[torch.Tensor]
@@ -473,13 +604,21 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, r: m.ForwardReq, ids: np.ndarray, logits: torch.Tensor
-    ) -> torch.Tensor:
-        """logprob of input_ids[1:] (and next_token when known), each given everything before it
-        (float32, on the device)."""
+    ) -> list[torch.Tensor]:
+        """[logprob of input_ids[1:] (and next_token when known), each given everything before
+        it], and with r.top_logprobs_num = k > 0 also the top-k logprobs and ids of each of those
+        positions ([n, k] float32 and int32) (on the device)."""
         targets = ids[1:].astype(np.int64)
         if r.next_token >= 0:
             targets = np.append(targets, r.next_token)
+        k = r.top_logprobs_num
         if len(targets) == 0:
-            return torch.zeros(0, dtype=torch.float32, device=self.device)
+            empty = torch.zeros(0, dtype=torch.float32, device=self.device)
+            return [empty] if k <= 0 else [empty, empty.view(0, k), empty.view(0, k).int()]
         t = to_device(targets, torch.long, self.device)
-        return target_logprobs(logits[: len(targets)], t).float()
+        rows = logits[: len(targets)]
+        out = [target_logprobs(rows, t).float()]
+        if k > 0:
+            top = torch.log_softmax(rows.float(), dim=-1).topk(k, dim=-1)
+            out += [top.values, top.indices.int()]
+        return out

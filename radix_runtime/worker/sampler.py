@@ -1,6 +1,7 @@
 """Next-token sampling with per-slot state (seeded generators, penalty counts, logit bias).
 
-Order of operations on each row's logits: logit_bias, repetition penalty (HF semantics:
+Order of operations on each row's logits: the constraints (a grammar's token mask; EOS and stop
+ids masked until min_tokens outputs), logit_bias, repetition penalty (HF semantics:
 divide positive / multiply negative logits of every token seen in prompt or output),
 frequency and presence penalties (OpenAI semantics: over output tokens only), then greedy
 argmax, or temperature -> softmax -> top_k -> top_p (on the top-k-renormalised mass) -> min_p
@@ -8,7 +9,8 @@ argmax, or temperature -> softmax -> top_k -> top_p (on the top-k-renormalised m
 
 Returned logprobs are log_softmax of the *raw* model logits, before bias, penalties and
 temperature (as vLLM's default and OpenAI's API): they score the model, not the sampler, and
-`select()` and prompt logprobs use the same scale.
+`select()` and prompt logprobs use the same scale. The constraints are the exception: a
+constrained row's logprobs are those of the masked (renormalised) distribution.
 
 Draws use the exponential race (argmax of p / Exp(1) noise), which equals a multinomial draw
 but lets every seeded request draw its noise from its own generator inside one batched op:
@@ -23,12 +25,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from radix_runtime.messages import SamplingParams
 from radix_runtime.worker.host_copy import to_device
+
+if TYPE_CHECKING:
+    from radix_runtime.grammar.compiler import GrammarCache
+    from radix_runtime.grammar.matcher import SlotGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,8 @@ class SlotState:
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
     sampled: bool = False  # a token was sampled since the slot opened (from_last_sample feeds it)
+    grammar: SlotGrammar | None = None  # the request's grammar state (constrained decoding)
+    outputs: int = 0  # tokens generated so far (before a retraction too): for min_tokens
 
 
 @dataclass
@@ -92,9 +101,20 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        seed: int,
+        eos_token_ids: list[int] = (),
+        grammars: GrammarCache | None = None,
+        jump_forward: bool = False,
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.grammars = grammars  # None: constrained decoding is not available
+        self.jump_forward = jump_forward and grammars is not None
         self.slots: dict[int, SlotState] = {}
         # unseeded requests draw from one generator seeded by --seed: a server run is repeatable
         self._shared_generator = torch.Generator(device=device).manual_seed(seed)
@@ -112,6 +132,13 @@ class Sampler:
         """`history`: tokens before the first fed one (a cached prefix); `prior_outputs`: tokens
         generated before a retraction. Both count for the penalties."""
         state = SlotState(params)
+        state.outputs = 0 if prior_outputs is None else len(prior_outputs)
+        if params.grammar is not None:
+            from radix_runtime.grammar.matcher import SlotGrammar
+
+            if self.grammars is None:
+                raise ValueError("a constrained request, but this worker has no grammar backend")
+            state.grammar = SlotGrammar(self.grammars.get(*params.grammar), prior_outputs)
         if params.seed is not None:
             state.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.needs_penalties:
@@ -142,6 +169,84 @@ class Sampler:
             state.seen.index_fill_(0, ids, True)  # `seen[ids] = True` would sync (a host scalar)
 
     # ------------------------------------------------------------------------------------------
+    # constraints: grammar masks and min_tokens
+
+    def constrained(self, slots: list[int]) -> bool:
+        return any(
+            (st := self.slots[s]).grammar is not None or st.outputs < st.params.min_tokens
+            for s in slots
+        )
+
+    def apply_constraints(self, logits: torch.Tensor, slots: list[int]) -> None:
+        """Mask `logits` [B, V] in place: a grammar's disallowed tokens, and the EOS and stop ids
+        of rows that have generated fewer than min_tokens (a grammar that can only stop wins)."""
+        states = [self.slots[s] for s in slots]
+        grammar_rows, stop_rows = [], []
+        bitmask = None
+        for i, st in enumerate(states):
+            short = st.outputs < st.params.min_tokens
+            if st.grammar is None:
+                if short:
+                    stop_rows.append(i)
+                continue
+            if bitmask is None:
+                import xgrammar as xgr  # a constrained slot exists: the backend loaded it
+
+                from radix_runtime.grammar.matcher import clear_tokens
+
+                bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
+            if st.grammar.fill(bitmask, i):
+                if short:
+                    clear_tokens(bitmask[i], self._stop_ids(st.params))
+                grammar_rows.append(i)
+        if grammar_rows:
+            xgr.apply_token_bitmask_inplace(
+                logits,
+                bitmask.to(logits.device, non_blocking=False),
+                vocab_size=self.vocab_size,
+                indices=grammar_rows,
+            )
+        for i in stop_rows:
+            ids = [t for t in self._stop_ids(states[i].params) if 0 <= t < self.vocab_size]
+            if ids:
+                logits[i].index_fill_(0, to_device(ids, torch.long, self.device), float("-inf"))
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        return list(dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids]))
+
+    def note_sampled(
+        self,
+        slots: list[int],
+        step: int,
+        host_ids: torch.Tensor,
+        event: torch.cuda.Event | None,
+    ) -> None:
+        """Each slot sampled row i of `host_ids` (the step's sampled ids, on or on their way to
+        the host) in `step`: count it, and have its grammar accept it before its next mask."""
+        for i, slot in enumerate(slots):
+            st = self.slots[slot]
+            st.sampled = True
+            st.outputs += 1
+            if st.grammar is not None and not st.grammar.finished:
+                st.grammar.set_pending(step, host_ids, i, event)
+
+    def grammar_status(
+        self, slot: int, step: int, jump: bool = False
+    ) -> tuple[bool, str | None, list[int]]:
+        """(finished, error, jump-forward tokens) of a slot's grammar once the token it sampled
+        in `step` is in; with `jump` (and --enable-jump-forward) the tokens the grammar forces
+        next are appended (accepted by the matcher, counted as outputs)."""
+        st = self.slots.get(slot)
+        if st is None or st.grammar is None:
+            return False, None, []
+        st.grammar.resolve(step)
+        forced: list[int] = []
+        if jump and self.jump_forward:
+            forced = st.grammar.jump_forward(self.grammars.encode)
+            st.outputs += len(forced)
+        return st.grammar.finished, st.grammar.error, forced
+
+    # ------------------------------------------------------------------------------------------
     # sampling
 
     def sample(
@@ -162,7 +267,10 @@ class Sampler:
         return_logprob: list[bool],
         top_logprobs_num: list[int],
     ) -> DeviceSample:
-        """`sample` without reading anything back: the tokens (and logprobs) stay on the device."""
+        """`sample` without reading anything back: the tokens (and logprobs) stay on the device
+        (a grammar's mask is computed on the host: it waits for the slot's previous token)."""
+        if self.constrained(slots):
+            self.apply_constraints(logits, slots)
         states = [self.slots[s] for s in slots]
         if (
             not any(return_logprob)

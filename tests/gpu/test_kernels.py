@@ -143,3 +143,71 @@ def test_flashinfer_norm_and_activation():
     gu = torch.randn(37, 2 * 1000, device=DEV, dtype=torch.bfloat16)
     g, u = gu.double().chunk(2, -1)
     assert rel_err(gpu_ops.silu_and_mul(gu), torch.nn.functional.silu(g) * u) < 5e-3
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # Qwen3's w, Gemma's (1 + w)
+@pytest.mark.parametrize("shape", [(32, 8, 128), (16, 8, 256)])
+def test_rotary_qk_with_head_norms(offset, shape):
+    h, hkv, d = shape
+    n = 37
+    qkv = torch.randn(n, (h + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16)
+    cos, sin = _cos_sin(n, d, torch.bfloat16)
+    qn = torch.randn(d, device=DEV, dtype=torch.bfloat16) * 0.2
+    kn = torch.randn(d, device=DEV, dtype=torch.bfloat16) * 0.2
+    q, k = gpu_ops.rotary_qk(qkv, cos, sin, h, hkv, d, qn, kn, 1e-6, offset)
+    q_ref, k_ref = gpu_ops.rotary_qk_torch(
+        qkv.double(), cos.double(), sin.double(), h, hkv, d, qn.double(), kn.double(), 1e-6,
+        offset,
+    )  # fmt: skip
+    assert rel_err(q, q_ref) < 5e-3 and rel_err(k, k_ref) < 5e-3
+    plain_q, _ = gpu_ops.rotary_qk(qkv, cos, sin, h, hkv, d)
+    assert rel_err(plain_q, q_ref) > 1e-1  # the norm did something
+
+
+@pytest.mark.parametrize("window", [1, 100, 1000, 5000])
+def test_decode_attention_window(window):
+    """Only each request's last `window` keys: against the windowed reference, and (for windows
+    shorter than a sequence) visibly different from full attention."""
+    page_size, h, hkv, d = 16, 32, 8, 128
+    lens = [5, 300, 4100, 1]
+    pages = [-(-n // page_size) for n in lens]
+    total = sum(pages) + 3
+    k_cache = torch.randn(total, page_size, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    ids = (torch.randperm(total - 1, device=DEV)[: sum(pages)] + 1).int()
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32,
+                          device=DEV)  # fmt: skip
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32,
+                        device=DEV)  # fmt: skip
+    q = torch.randn(len(lens), h, d, device=DEV, dtype=torch.bfloat16)
+    want = gpu_ops.decode_attention_torch(
+        q, k_cache, v_cache, indptr, ids, last, d**-0.5, window=window
+    )
+    for splits in (None, 32):
+        got = gpu_ops.decode_attention(
+            q, k_cache, v_cache, indptr, ids, last, d**-0.5, splits, window=window
+        )
+        assert rel_err(got, want.double()) < 1e-2
+    full = gpu_ops.decode_attention_torch(q, k_cache, v_cache, indptr, ids, last, d**-0.5)
+    if window < 300:
+        assert rel_err(full, want.double()) > 1e-1
+
+
+def test_gemma_norms_and_gelu():
+    x = torch.randn(37, 3840, device=DEV, dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.randn(3840, device=DEV, dtype=torch.bfloat16) * 0.1
+
+    def ref_norm(t: torch.Tensor) -> torch.Tensor:
+        t = t.double()
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.double())
+
+    assert rel_err(gpu_ops.gemma_rmsnorm(x, w, 1e-6), ref_norm(x)) < 5e-3
+    w_post = torch.randn_like(w) * 0.1
+    want_res = res.double() + gpu_ops.gemma_rmsnorm_torch(x.double(), w_post.double(), 1e-6)
+    out = gpu_ops.gemma_norm_add_norm(x, res, w_post, w, 1e-6)  # res += norm(x); norm(res)
+    assert rel_err(res, want_res) < 5e-3 and rel_err(out, ref_norm(want_res)) < 5e-3
+    gu = torch.randn(37, 2 * 1000, device=DEV, dtype=torch.bfloat16)
+    g, u = gu.double().chunk(2, -1)
+    want = torch.nn.functional.gelu(g, approximate="tanh") * u
+    assert rel_err(gpu_ops.gelu_tanh_and_mul(gu), want) < 5e-3

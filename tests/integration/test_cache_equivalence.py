@@ -7,12 +7,16 @@ processes run), so the test is deterministic and fast.
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import time
 
 import pytest
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.main import advance
 from radix_runtime.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.slow
@@ -39,34 +43,41 @@ def runner_factory():
     return make
 
 
-def run(runner, args: ServerArgs, prompts, sampling, arrivals):
-    """The scheduler process's loop with the runner in-process: with the overlap schedule on
-    (args.disable_overlap_schedule False) step N+1 is launched before step N is collected, its
-    decoders feeding the tokens step N sampled from the device (from_last_sample)."""
+def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None):
+    """The scheduler process's step loop (`scheduler.main.advance`) with the runner in-process
+    (`namespaces[i]`: request i's cache namespace, "" the public one): with the overlap schedule
+    on (args.disable_overlap_schedule False) step N+1 is launched before step N is collected,
+    its decoders feeding the tokens step N sampled from the device (from_last_sample)."""
     sched = Scheduler(args, runner.ready_info())
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
     step = 0
     inflight = None  # (plan, runner.launch(batch))
     ahead_steps = 0
-    while pending or sched.has_work() or inflight is not None:
+
+    def finish(plan, launched):
+        sched.process_result(plan, runner.collect(launched))
+
+    while pending or sched.has_work() or inflight is not None or sched.grammar_waiting:
         for i in [i for i in pending if arrivals[i] <= step]:
             sched.add_request(
-                m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
+                m.GenerateReq(
+                    rid=f"r{i}",
+                    input_ids=m.pack_ids(prompts[i]),
+                    sampling=sampling,
+                    cache_namespace=namespaces[i] if namespaces else "",
+                )
             )
             pending.remove(i)
-        if inflight is None:
-            scheduled = sched.schedule()
-            if scheduled is not None:
-                inflight = (scheduled[1], runner.launch(scheduled[0]))
-        if inflight is not None:
-            ahead = sched.schedule_ahead(inflight[0])
-            following = None
-            if ahead is not None:
-                following = (ahead[1], runner.launch(ahead[0]))
-                ahead_steps += 1
-            sched.process_result(inflight[0], runner.collect(inflight[1]))
-            inflight = following
+        # constrained requests: the worker compiles their grammar (on its threads) first
+        for msg in sched.take_worker_messages():
+            runner.compile_grammar(msg.kind, msg.text)
+        if sched.grammar_waiting and not sched.has_work():
+            time.sleep(0.002)
+        for done in runner.finished_compiles():
+            sched.grammar_compiled(done)
+        inflight, _ = advance(sched, inflight, lambda batch, _plan: runner.launch(batch), finish)
+        ahead_steps += inflight is not None  # what stays in flight was built ahead
         for out in sched.take_outputs():
             assert out.error is None, out.error
             outputs[out.rid].extend(m.unpack_ids(out.new_ids).tolist())
@@ -155,6 +166,36 @@ def test_greedy_cache_on_equals_off(
     assert run(runner, overlap, prompts, penal, arrivals)[0] == off
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_cache_on_equals_off_with_cache_salts(runner_factory, page_size):
+    """The same prompts spread over the public namespace and two salted ones (as the HTTP layer
+    names them): every namespace computes its own copy of the shared prefixes, and the outputs
+    still equal the cache-off run's."""
+    base = ServerArgs(
+        model="tiny-llama",
+        load_format="dummy",
+        model_config="tiny-llama",
+        page_size=page_size,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        max_running_requests=8,
+        device="cpu",
+        radix_tree_impl="python",
+        disable_overlap_schedule=True,
+    )
+    runner = runner_factory(base)
+    prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=5)
+    namespaces = [("", "salt:a", "tenant:t\x00salt:b")[i % 3] for i in range(len(prompts))]
+    arrivals = [i // 2 * 3 for i in range(len(prompts))]
+    greedy = m.SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    on, sched = run(runner, base, prompts, greedy, arrivals, namespaces)
+    assert on == off
+    _, public = run(runner, base, prompts, greedy, arrivals)
+    # salted requests hit only their own namespace's prefixes: fewer hits than all-public
+    assert 0 < sched.cached_tokens_total < public.cached_tokens_total
+
+
 def test_hits_after_eviction_and_retraction(runner_factory):
     """A pool too small for the batch: prefixes are evicted, requests retracted and requeued,
     and the outputs still equal an unpressured cache-off run."""
@@ -185,3 +226,138 @@ def test_hits_after_eviction_and_retraction(runner_factory):
     )
     assert ahead == off
     assert sched.retractions > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# constrained decoding: the grammar's state follows the same tokens whatever the cache, the
+# schedule or the memory pressure (tiny dummy model over the default model's vocabulary)
+
+CONSTRAINTS = {
+    "regex": {"regex": r"[0-9]{1,3}( [a-z]{2,6}){3,40}"},
+    "json_schema": {
+        "json_schema": json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 30},
+                    "kind": {"enum": ["a", "b"]},
+                },
+                "required": ["ids", "kind"],
+            }
+        )
+    },
+}
+
+
+def constrained_text(outputs: dict[str, list[int]], tokenizer) -> dict[str, str]:
+    return {rid: tokenizer.decode(ids) for rid, ids in outputs.items()}
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_constrained_greedy_cache_overlap_and_retraction(runner_factory, kind):
+    """Cache on == off, overlap on == off, and a pool small enough to retract: the same
+    constrained greedy outputs, every one a prefix of (or, stopped, a match of) the grammar."""
+    from radix_runtime.tokenizer import load_tokenizer
+
+    base = ServerArgs(
+        model="tiny-llama",
+        load_format="dummy",
+        model_config="tiny-llama",
+        page_size=1,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        max_running_requests=8,
+        device="cpu",
+        radix_tree_impl="python",
+        disable_overlap_schedule=True,
+    )
+    runner = runner_factory(base)
+    prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=5)
+    arrivals = [i // 3 * 2 for i in range(len(prompts))]
+    sampling = m.SamplingParams(max_new_tokens=24, temperature=0.0, **CONSTRAINTS[kind])
+    off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, sampling, arrivals)
+    on, sched = run(runner, base, prompts, sampling, arrivals)
+    assert on == off
+    assert sched.cached_tokens_total > 100
+    overlap = base.replace(disable_overlap_schedule=False)
+    assert run(runner, overlap, prompts, sampling, arrivals)[0] == off
+    small = base.replace(max_total_tokens=300)
+    small_runner = runner_factory(small)
+    for args in (small, small.replace(disable_overlap_schedule=False)):
+        pressed, sched = run(small_runner, args, prompts, sampling, [0] * len(prompts))
+        assert pressed == off
+        assert sched.retractions > 0
+    # the outputs follow the grammar (the model is random: only the grammar shapes them)
+    texts = constrained_text(off, load_tokenizer("default"))
+    if kind == "regex":
+        for text in texts.values():
+            assert re.fullmatch(r"[0-9]{1,3}( [a-z]{2,6}){0,40}( [a-z]{0,6})?", text), text
+    else:
+        assert all(text.startswith('{"ids": [') for text in texts.values()), texts
+        assert any(len(ids) < 24 for ids in off.values()), "no output reached the grammar's end"
+        for rid, text in texts.items():
+            if len(off[rid]) < 24:
+                assert json.loads(text)["kind"] in ("a", "b")
+
+
+LONG_KEYS = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 16},
+        "customer_age_in_years": {"type": "integer", "minimum": 0, "maximum": 120},
+        "preferred_contact_method": {"enum": ["email", "phone"]},
+    },
+    "required": ["customer_full_name", "customer_age_in_years", "preferred_contact_method"],
+}
+
+
+def test_jump_forward_valid_fewer_steps_and_cache_equivalent(runner_factory):
+    """--enable-jump-forward on the real model: the forced keys are appended without a decode
+    step each (fewer steps), outputs still validate, and cache on == off, overlap on == off."""
+    import jsonschema
+
+    from radix_runtime.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    base = ServerArgs(
+        model="default",
+        page_size=1,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        max_running_requests=8,
+        device="cpu",
+        radix_tree_impl="python",
+        disable_overlap_schedule=True,
+    )
+    runner = runner_factory(base)
+    questions = ["Describe a customer as JSON.", "Invent a customer record as JSON."]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+    sampling = m.SamplingParams(
+        max_new_tokens=64, temperature=0.0, json_schema=json.dumps(LONG_KEYS)
+    )
+    arrivals = [0] * len(prompts)
+    plain, plain_sched = run(runner, base, prompts, sampling, arrivals)
+    jump_args = base.replace(enable_jump_forward=True)
+    runner.sampler.jump_forward = True  # the runner is shared: its flag follows the run's args
+    try:
+        jumped, sched = run(runner, jump_args, prompts, sampling, arrivals)
+        off, _ = run(
+            runner, jump_args.replace(disable_radix_cache=True), prompts, sampling, arrivals
+        )
+        ahead, _ = run(
+            runner, jump_args.replace(disable_overlap_schedule=False), prompts, sampling, arrivals
+        )
+    finally:
+        runner.sampler.jump_forward = False
+    assert jumped == off == ahead
+    for outputs in (plain, jumped):
+        for ids in outputs.values():
+            jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), LONG_KEYS)
+    assert sched.jumped_tokens >= 2 * 10
+    assert sched.step_id < plain_sched.step_id

@@ -29,7 +29,7 @@ from radix_runtime import messages as m
 PACKAGE = Path(__file__).resolve().parents[2] / "radix_runtime"
 KEY = "sk-reliability-Zx81-secret"
 
-# every route; /health alone is open
+# every route; /health and the static /dashboard page alone are open
 ROUTES = [
     ("GET", "/v1/models"),
     ("GET", "/v1/models/SmolLM2-135M-Instruct"),
@@ -37,6 +37,9 @@ ROUTES = [
     ("GET", "/get_server_info"),
     ("GET", "/flush_cache"),
     ("POST", "/flush_cache"),
+    ("POST", "/reset_prefix_cache"),
+    ("GET", "/metrics"),
+    ("GET", "/cache_tree"),
     ("POST", "/generate"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
@@ -96,20 +99,33 @@ def test_api_key_guards_every_route_but_health(keyed_server):
 
 
 def test_api_key_comparison_is_constant_time():
-    """The key check goes through hmac.compare_digest, never ==."""
+    """The middleware finds the caller's key with tenancy.find_tenant, which compares with every
+    key through hmac.compare_digest, never ==, and never stops at the first match."""
     source = (PACKAGE / "server" / "http_server.py").read_text()
-    tree = ast.parse(source)
     middleware = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "_AuthMiddleware"
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.ClassDef) and n.name == "_AuthMiddleware"
     )
     calls = [ast.unparse(n.func) for n in ast.walk(middleware) if isinstance(n, ast.Call)]
+    assert "find_tenant" in calls
+    source = (PACKAGE / "server" / "tenancy.py").read_text()
+    find = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.FunctionDef) and n.name == "find_tenant"
+    )
+    calls = [ast.unparse(n.func) for n in ast.walk(find) if isinstance(n, ast.Call)]
     assert "hmac.compare_digest" in calls
     compares = [
-        n
-        for n in ast.walk(middleware)
-        if isinstance(n, ast.Compare) and "expected" in ast.unparse(n)
+        n for n in ast.walk(find) if isinstance(n, ast.Compare) and "bearer" in ast.unparse(n)
     ]
     assert not compares, [ast.unparse(n) for n in compares]
+    assert not [
+        n
+        for n in ast.walk(find)
+        if isinstance(n, (ast.Break, ast.Return)) and n.lineno < find.body[-1].lineno
+    ]
 
 
 @pytest.mark.slow

@@ -195,6 +195,12 @@ def test_earliest_of_several_stops_wins() -> None:
     assert m.feed("hello world") == ("hel", True) and m.matched == "lo w"
 
 
+def test_the_first_stop_to_complete_wins_however_the_text_is_cut() -> None:
+    # " aa" starts earlier but "a" completes first: streaming " a" must already stop there
+    assert _feed_all(StopMatcher(["a", " aa"]), [" a", "a"]) == (" ", True)
+    assert _feed_all(StopMatcher(["a", " aa"]), [" aa"]) == (" ", True)
+
+
 def test_no_stop_strings_passes_through() -> None:
     m = StopMatcher([])
     assert m.feed("anything") == ("anything", False)
@@ -214,8 +220,10 @@ def test_stop_matcher_equals_cutting_the_full_text(
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     emitted, stopped = _feed_all(StopMatcher(stops), deltas)
-    hits = [text.find(s) for s in stops if s in text]
+    # the stop string that completes first ends the text (the earliest end, then the earliest
+    # start), as when the text arrives a character at a time
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
     if hits:
-        assert stopped and emitted == text[: min(hits)]
+        assert stopped and emitted == text[: min(hits)[1]]
     else:
         assert not stopped and emitted == text

@@ -12,13 +12,14 @@ import time
 import httpx
 import msgspec
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.server.errors import GenerationError
-from radix_runtime.server.http_server import build_app, make_server
+from radix_runtime.server.http_server import build_app
 from radix_runtime.server.protocol import GenerateChunk, GenerateInput
 
 MODEL = "fake-model"
@@ -37,7 +38,7 @@ class FakeTokenizer:
         ids = [ord(c) if ord(c) < VOCAB else 999 for c in text]
         return [BOS, *ids] if add_special_tokens else ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], **kw) -> str:
         return "".join(chr(i) for i in ids if i >= 3)
 
     def apply_chat_template(self, messages, add_generation_prompt=True, **kw) -> str:
@@ -94,6 +95,7 @@ class FakeManager:
                 prompt_tokens=len(req.input_ids),
                 cached_tokens=self.cached_tokens,
                 prompt_logprobs=self._prompt_logprobs(req),
+                prompt_top_logprobs=self._prompt_tops(req),
             )
             return
         for i, tok in enumerate(out_ids[:budget]):
@@ -120,6 +122,7 @@ class FakeManager:
                     ]
                 if i == 0:
                     chunk.prompt_logprobs = self._prompt_logprobs(req)
+                    chunk.prompt_top_logprobs = self._prompt_tops(req)
             yield chunk
             if self.hang_after_first:
                 await asyncio.Event().wait()
@@ -132,14 +135,32 @@ class FakeManager:
             return None
         return [-1.0] * (len(req.input_ids) - max(req.logprob_start_len, 1))
 
+    @staticmethod
+    def _prompt_tops(req: GenerateInput) -> list | None:
+        """Per prompt position: the actual token first (-1.0), then made-up alternatives."""
+        if req.logprob_start_len < 0 or not req.top_logprobs_num:
+            return None
+        first = max(req.logprob_start_len, 1)
+        return [
+            [(tok, -1.0)] + [(tok + k, -1.0 - k) for k in range(1, req.top_logprobs_num)]
+            for tok in req.input_ids[first:]
+        ]
+
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
     async def server_info(self) -> dict:
         return {"cache": {"hit_rate": 0.5}, "running_requests": 0, "waiting_requests": 0}
 
-    async def flush_cache(self) -> bool:
-        return self.flush_ok
+    async def flush_cache(self) -> dict:
+        return {
+            "success": self.flush_ok,
+            "message": "" if self.flush_ok else "busy",
+            "dropped_nodes": 2,
+            "dropped_pages": 5,
+            "dropped_tokens": 5,
+            "kept_pages": 1,
+        }
 
 
 @pytest.fixture
@@ -563,10 +584,13 @@ def test_health(client, manager):
 
 
 def test_flush_cache(client, manager):
-    assert client.post("/flush_cache").json()["success"] is True
+    body = client.post("/flush_cache").json()
+    assert body["success"] is True and body["dropped_tokens"] == 5 and body["kept_pages"] == 1
     assert client.get("/flush_cache").status_code == 200
+    assert client.post("/reset_prefix_cache").json()["dropped_nodes"] == 2  # vLLM's name
     manager.flush_ok = False
-    assert_error(client.post("/flush_cache"), 400)
+    assert_error(client.post("/flush_cache"), 409)
+    assert_error(client.post("/reset_prefix_cache"), 409)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -618,7 +642,6 @@ CHAT_BAD = [
         None,
     ),
     ({"messages": [{"role": "user", "content": "BAD"}]}, "messages", None),
-    ({"model": "gpt-4"}, "model", "model_not_found"),
     ({"model": 5}, "model", "invalid_type"),
     ({"max_tokens": 0}, "max_tokens", None),
     ({"max_tokens": -1}, "max_tokens", None),
@@ -658,7 +681,24 @@ CHAT_BAD = [
     ({"logprobs": 3}, "logprobs", "invalid_type"),
     ({"stream": "yes"}, "stream", "invalid_type"),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_type"),
-    ({"response_format": {"type": "json_object"}}, "response_format", None),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "unsupported_value"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", None),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+        "response_format.json_schema.schema",
+        "invalid_type",
+    ),
+    (
+        {"response_format": {"type": "json_object"}, "regex": "a+"},
+        "response_format",
+        None,
+    ),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", None),
+    ({"json_schema": "{not json"}, "json_schema", None),
+    ({"json_schema": "[1, 2]"}, "json_schema", None),
+    ({"regex": ""}, "regex", None),
+    ({"regex": "a" * 40000}, "regex", "grammar_too_large"),
+    ({"min_tokens": -1}, "min_tokens", None),
 ]
 
 
@@ -667,6 +707,21 @@ def test_chat_bad_input(client, manager, patch, param, code):
     body = {"messages": [{"role": "user", "content": "hi"}], **patch}
     body = {k: v for k, v in body.items() if v is not DROP}
     assert_error(client.post("/v1/chat/completions", json=body), 400, param=param, code=code)
+    assert manager.inputs == []
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/v1/chat/completions",
+            {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
+        ),
+        ("/v1/completions", {"model": "nope", "prompt": "x"}),
+    ],
+)
+def test_unknown_model_is_404(client, manager, path, body):
+    assert_error(client.post(path, json=body), 404, param="model", code="model_not_found")
     assert manager.inputs == []
 
 
@@ -703,10 +758,8 @@ COMPLETION_BAD = [
     ({"prompt": "x" * CONTEXT}, "prompt", "context_length_exceeded"),
     ({"prompt": [5] * 10, "max_tokens": CONTEXT - 5}, "prompt", "context_length_exceeded"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", None),
-    ({"prompt": "x", "model": "nope"}, "model", "model_not_found"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", None),
     ({"prompt": "x", "logprobs": True}, "logprobs", "invalid_type"),
-    ({"prompt": "x", "echo": True}, "echo", None),
     ({"prompt": "x", "suffix": "y"}, "suffix", None),
     ({"prompt": ["a"] * 100, "n": 16}, "n", None),
     ({"prompt": "x", "temperature": 3}, "temperature", None),
@@ -773,6 +826,22 @@ GENERATE_BAD = [
     ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid", None),
     ({"text": "a", "rid": ""}, "rid", None),
     ({"text": "a", "rid": 5}, "rid", "invalid_type"),
+]
+
+
+GENERATE_BAD += [
+    (
+        {"text": "a", "sampling_params": {"regex": "a", "json_schema": {}}},
+        "sampling_params.json_schema",
+        None,
+    ),
+    ({"text": "a", "sampling_params": {"json_schema": "{x"}}, "sampling_params.json_schema", None),
+    ({"text": "a", "sampling_params": {"min_tokens": 10**9}}, "sampling_params.min_tokens", None),
+    (
+        {"text": "a", "sampling_params": {"ebnf": "x" * 40000}},
+        "sampling_params.ebnf",
+        "grammar_too_large",
+    ),
 ]
 
 
@@ -1001,7 +1070,10 @@ def _free_port() -> int:
 @pytest.fixture
 def live_server(manager):
     args = ServerArgs(host="127.0.0.1", port=_free_port(), log_level="warning")
-    server = make_server(manager, args)
+    config = uvicorn.Config(
+        build_app(manager, args), host=args.host, port=args.port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -1042,7 +1114,8 @@ def test_openai_client(live_server, manager):
     assert completion.choices[0].text == REPLY[:3]
     assert completion.usage.prompt_tokens == 4
 
-    with pytest.raises(openai.BadRequestError) as info:
+    # an unknown model is a 404, as OpenAI answers: the SDK raises NotFoundError
+    with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     assert info.value.code == "model_not_found"
     assert [m.id for m in client.models.list()] == [MODEL]
@@ -1142,7 +1215,62 @@ def test_fuzz_fields_never_500(client, path, patch):
         assert_error(resp, 400)
 
 
-def test_signal_marks_manager_draining(manager):
-    server = make_server(manager, ServerArgs(port=_free_port()))
-    server.handle_exit(15, None)
-    assert manager.draining and server.should_exit
+# ---------------------------------------------------------------------------------------------
+# constrained decoding fields reach the sampling params (their runtime is tested in
+# tests/integration/test_structured_output.py)
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    "patch,field,text",
+    [
+        ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
+            "json_schema",
+            json.dumps(SCHEMA),
+        ),
+        ({"response_format": {"type": "text"}, "regex": "[ab]+"}, "regex", "[ab]+"),
+        ({"ebnf": 'root ::= "x"'}, "ebnf", 'root ::= "x"'),
+        ({"json_schema": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
+    ],
+)
+def test_chat_grammar_fields(client, manager, patch, field, text):
+    resp = client.post("/v1/chat/completions", json=chat_body(min_tokens=3, **patch))
+    assert resp.status_code == 200, resp.text
+    (inp,) = manager.inputs
+    assert getattr(inp.sampling, field) == text  # property order kept: b before a
+    assert inp.sampling.min_tokens == 3
+    others = {"regex", "json_schema", "ebnf"} - {field}
+    assert all(getattr(inp.sampling, f) is None for f in others)
+
+
+def test_completions_response_format(client, manager):
+    body = {"prompt": "hi", "response_format": {"type": "json_object"}, "n": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert [i.sampling.json_schema for i in manager.inputs] == ['{"type": "object"}'] * 2
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (SCHEMA, json.dumps(SCHEMA)),
+        (json.dumps(SCHEMA), json.dumps(SCHEMA)),
+        ("$$ANY$$", "$$ANY$$"),
+    ],
+)
+def test_generate_json_schema_object_or_string(client, manager, value, expected):
+    body = {"text": "a", "sampling_params": {"json_schema": value, "min_new_tokens": 2}}
+    assert client.post("/generate", json=body).status_code == 200
+    (inp,) = manager.inputs
+    assert inp.sampling.json_schema == expected
+    assert inp.sampling.min_tokens == 2
+    assert inp.sampling.grammar == (
+        ("json", "") if value == "$$ANY$$" else ("json_schema", expected)
+    )

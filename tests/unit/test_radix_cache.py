@@ -42,7 +42,7 @@ def cache_request(cache: RadixCache, alloc: PageAllocator, tokens):
 def path_tokens(node) -> list[int]:
     parts = []
     while node.parent is not None:
-        parts.append(node.key.tolist())
+        parts.append(node.key.tolist())  # a namespace node's key is empty
         node = node.parent
     return [t for part in reversed(parts) for t in part]
 
@@ -373,6 +373,104 @@ def test_check_integrity_catches_corruption(corrupt, message):
         cache.check_integrity()
 
 
+# ---- namespaces (cache salts, tenants)
+
+
+def test_namespaces_share_nothing_not_even_the_first_token():
+    alloc, cache = make()
+    tokens = [1, 2, 3, 4, 5, 6]
+    cache_request(cache, alloc, tokens + [7])  # public
+    r = cache.insert(tokens, alloc.alloc(6), namespace="a")
+    assert r.prefix_len == 0  # the public copy is not a's
+    assert cache.match_prefix(tokens, "a").length == 6
+    assert cache.match_prefix(tokens, "b").length == 0  # no node for b: nothing at all
+    assert cache.match_prefix(tokens[:1], "b").length == 0
+    assert cache.match_prefix(tokens).length == 6  # public
+    m = cache.match_prefix([1, 2, 9], "a")
+    assert m.length == 2 and m.node.parent.namespace == "a"
+    assert cache.match_prefix([1, 2, 9], "b").node is cache.root
+    cache.check_integrity()
+    assert cache.cached_pages == 13
+
+
+def test_namespace_nodes_hold_nothing_and_are_dropped_when_emptied():
+    alloc, cache = make(num_pages=8)
+    r = cache.insert([1, 2, 3], alloc.alloc(3), namespace="tenant")
+    ns_node = r.node.parent
+    assert ns_node.namespace == "tenant" and ns_node.parent is cache.root
+    assert len(ns_node.key) == 0 and len(ns_node.pages) == 0
+    assert cache.root.children["tenant"] is ns_node
+    assert "tenant" in cache.pretty()
+    assert cache.insert([], [], namespace="other").node is cache.root  # no empty namespace node
+    assert "other" not in cache.root.children
+    assert cache.evict(3) == 3
+    assert cache.evict(1) == 0  # the empty namespace node goes, freeing nothing
+    assert "tenant" not in cache.root.children and ns_node.parent is None
+    cache.check_integrity(expect_unlocked=True)
+    assert alloc.free_pages == alloc.total_pages
+
+
+def test_eviction_across_namespaces_is_one_lru():
+    alloc, cache = make(num_pages=10)  # page 0 is reserved: 9 usable
+    cache.insert([1, 2, 3], alloc.alloc(3), namespace="a")  # oldest
+    cache.insert([1, 2, 3], alloc.alloc(3), namespace="b")
+    cache.insert([1, 2, 3], alloc.alloc(3))  # public, newest
+    assert cache.match_prefix([1, 2, 3, 4], "a").length == 3  # a is now the newest
+    assert cache.evict(3) == 3
+    assert cache.match_prefix([1, 2, 3], "b").length == 0  # b was the least recently used
+    assert cache.match_prefix([1, 2, 3], "a").length == 3
+    assert cache.evict(3) == 3  # public next (a was touched just now)
+    assert cache.match_prefix([1, 2, 3]).length == 0
+    assert cache.match_prefix([1, 2, 3], "a").length == 3
+    cache.check_integrity()
+
+
+def test_locks_through_namespace_nodes():
+    alloc, cache = make(num_pages=6)
+    cache.insert([1, 2, 3], alloc.alloc(3), namespace="a")
+    m = cache.match_prefix([1, 2, 3, 4], "a")
+    cache.lock(m.node)
+    assert cache.protected_pages == 3 and cache.evictable_pages == 0
+    assert cache.evict(3) == 0
+    with pytest.raises(RuntimeError):
+        cache.reset()
+    cache.unlock(m.node)
+    empty = cache.match_prefix([7, 7], "a")  # nothing matched: the namespace node itself
+    assert empty.length == 0 and empty.node.namespace == "a"
+    cache.lock(empty.node)
+    cache.check_integrity()
+    with pytest.raises(RuntimeError):
+        cache.reset()  # a request holds the namespace
+    cache.unlock(empty.node)
+    cache.reset()
+    cache.check_integrity(expect_unlocked=True)
+    assert alloc.free_pages == alloc.total_pages
+
+
+def test_disabled_cache_ignores_namespaces():
+    alloc, cache = make(disable=True)
+    pages = alloc.alloc(3)
+    assert cache.insert([1, 2, 3], pages, namespace="a").prefix_len == 3  # all duplicates
+    assert cache.match_prefix([1, 2, 3], "a").length == 0
+    alloc.free(pages)  # the caller's duplicates
+    cache.check_integrity()
+
+
+def test_check_integrity_catches_a_misfiled_namespace_node():
+    alloc, cache = make()
+    cache.insert([1, 2], alloc.alloc(2), namespace="a")
+    cache.check_integrity()
+    cache.root.children["b"] = cache.root.children.pop("a")  # filed under another name
+    with pytest.raises(AssertionError, match="not under its name"):
+        cache.check_integrity()
+
+
+def test_a_namespace_is_a_str():
+    _, cache = make()
+    with pytest.raises(TypeError):
+        cache.match_prefix([1, 2], b"a")
+
+
 def test_check_integrity_expect_unlocked():
     alloc, cache = make()
     r = cache_request(cache, alloc, [1, 2])
@@ -392,12 +490,23 @@ _PATTERNS = {
 }
 _NUM_PAGES = {1: 24, 16: 14}
 _MAX_KEY_PAGES = 10
+_NAMESPACES = st.sampled_from([None, None, "a", "b"])
+
+
+def node_namespace(node):
+    """The namespace a node is in (None: the public one)."""
+    while node.parent is not None and node.namespace is None:
+        node = node.parent
+    return node.namespace
 
 
 class RadixCacheMachine(RuleBasedStateMachine):
     """Drives the tree as a scheduler would and keeps a brute-force model: every cached
-    page-aligned prefix (a tuple of tokens) -> [page id, LRU time]. The model's eviction is LRU
-    over its unlocked leaf prefixes, one page at a time; the tree must drop exactly that set."""
+    page-aligned prefix, keyed by (namespace, tuple of tokens) -> [page id, LRU time]. Keys live
+    in the public namespace (None) or in one of two salted ones, and the same tokens are often
+    sent in several namespaces: a match must only ever see its own namespace's prefixes. The
+    model's eviction is LRU over its unlocked leaf prefixes of all namespaces together, one page
+    at a time; the tree must drop exactly that set."""
 
     page_size = 1
     keys = Bundle("keys")
@@ -411,7 +520,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.clock = 0
         self.requests: list[dict] = []  # running: key, matched length, node
 
-    # ---- keys ----
+    # ---- keys: (namespace, tokens) ----
 
     def _build(self, patterns, mutation, tail) -> tuple:
         ps = self.page_size
@@ -425,39 +534,54 @@ class RadixCacheMachine(RuleBasedStateMachine):
         patterns=st.lists(st.integers(0, 2), min_size=1, max_size=6),
         mutation=st.none() | st.integers(0, 200),
         tail=st.integers(0, 15),
+        ns=_NAMESPACES,
     )
-    def new_key(self, patterns, mutation, tail):
-        return self._build(patterns, mutation, tail)
+    def new_key(self, patterns, mutation, tail, ns):
+        return ns, self._build(patterns, mutation, tail)
 
     @rule(target=keys, key=keys, more=st.lists(st.integers(0, 2), min_size=1, max_size=3))
     def extend_key(self, key, more):
         """The next turn of a conversation: the old key (tail dropped) plus new pages."""
         ps = self.page_size
-        aligned = key[: len(key) // ps * ps]
+        ns, tokens = key
+        aligned = tokens[: len(tokens) // ps * ps]
         extra = self._build(more, None, 0)
-        return (aligned + extra)[: _MAX_KEY_PAGES * ps]
+        return ns, (aligned + extra)[: _MAX_KEY_PAGES * ps]
+
+    @rule(target=keys, key=keys, ns=_NAMESPACES)
+    def other_namespace(self, key, ns):
+        """The same tokens sent under another salt (or none)."""
+        return ns, key[1]
 
     # ---- model helpers ----
 
     def _model_match(self, key: tuple) -> int:
         ps = self.page_size
+        ns, tokens = key
         length = 0
-        while length + ps <= len(key) and key[: length + ps] in self.model:
+        while length + ps <= len(tokens) and (ns, tokens[: length + ps]) in self.model:
             length += ps
         return length
 
     def _model_pages(self, key: tuple, length: int) -> list[int]:
-        ps = self.page_size
-        return [self.model[key[:i]][0] for i in range(ps, length + 1, ps)]
+        ns, tokens = key
+        return [
+            self.model[ns, tokens[:i]][0] for i in range(self.page_size, length + 1, self.page_size)
+        ]
 
     def _touch(self, key: tuple, length: int) -> None:
+        ns, tokens = key
         self.clock += 1
         for i in range(self.page_size, length + 1, self.page_size):
-            self.model[key[:i]][1] = self.clock
+            self.model[ns, tokens[:i]][1] = self.clock
 
     def _locked_prefixes(self) -> set[tuple]:
         ps = self.page_size
-        return {r["key"][:i] for r in self.requests for i in range(ps, r["length"] + 1, ps)}
+        return {
+            (r["key"][0], r["key"][1][:i])
+            for r in self.requests
+            for i in range(ps, r["length"] + 1, ps)
+        }
 
     def _evict(self, num_pages: int) -> int:
         ps = self.page_size
@@ -467,11 +591,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert freed <= evictable_before
         locked = self._locked_prefixes()
         for _ in range(freed):
-            parents = {p[:-ps] for p in self.model}
-            leaves = [p for p in self.model if p not in parents and p not in locked]
+            parents = {(ns, p[:-ps]) for ns, p in self.model}
+            leaves = [k for k in self.model if k not in parents and k not in locked]
             assert leaves, "tree freed more than the model can"
-            oldest = min(leaves, key=lambda p: self.model[p][1])
-            ties = [p for p in leaves if self.model[p][1] == self.model[oldest][1]]
+            oldest = min(leaves, key=lambda k: self.model[k][1])
+            ties = [k for k in leaves if self.model[k][1] == self.model[oldest][1]]
             assert len(ties) == 1, "LRU tie between leaves: the model is ambiguous"
             del self.model[oldest]
         return freed
@@ -480,11 +604,13 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     def _start(self, key: tuple) -> dict:
         ps = self.page_size
-        m = self.cache.match_prefix(np.array(key, dtype=np.int32))
+        ns, tokens = key
+        m = self.cache.match_prefix(np.array(tokens, dtype=np.int32), ns)
         expected = self._model_match(key)
         assert m.length == expected, f"match {m.length} != model {expected}"
         assert m.pages.tolist() == self._model_pages(key, expected)
         assert len(path_tokens(m.node)) == m.length
+        assert node_namespace(m.node) in ({ns} if m.length else {ns, None})
         assert len(m.pages) == m.length // ps
         self._touch(key, m.length)
         self.cache.lock(m.node)
@@ -494,7 +620,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         """Insert a running request's key; it stays locked (in self.requests) until the end."""
         ps = self.page_size
         key = req["key"]
-        n_pages = len(key) // ps
+        ns, tokens = key
+        n_pages = len(tokens) // ps
         own = req["length"] // ps
         need = n_pages - own
         new = self.alloc.alloc(need)
@@ -505,12 +632,14 @@ class RadixCacheMachine(RuleBasedStateMachine):
             pages = np.concatenate([req["pages"], new])
             expected = self._model_match(key)
             assert expected >= req["length"], "a locked prefix was lost"
-            r = self.cache.insert(np.array(key, dtype=np.int32), pages)
+            r = self.cache.insert(np.array(tokens, dtype=np.int32), pages, namespace=ns)
             assert r.prefix_len == expected, f"prefix_len {r.prefix_len} != model {expected}"
             assert len(path_tokens(r.node)) == n_pages * ps
+            if n_pages:
+                assert node_namespace(r.node) == ns
             self.alloc.free(pages[own : r.prefix_len // ps])
             for i in range(r.prefix_len // ps, n_pages):
-                self.model[key[: (i + 1) * ps]] = [int(pages[i]), 0]
+                self.model[ns, tokens[: (i + 1) * ps]] = [int(pages[i]), 0]
             self._touch(key, n_pages * ps)
         # else: the request could not fit; it is dropped (its match still refreshed LRU)
         self.cache.unlock(req["node"])
@@ -533,7 +662,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     @rule(key=keys)
     def match_only(self, key):
-        m = self.cache.match_prefix(list(key))
+        m = self.cache.match_prefix(list(key[1]), namespace=key[0])
         assert m.length == self._model_match(key)
         assert m.pages.tolist() == self._model_pages(key, m.length)
         self._touch(key, m.length)
@@ -564,15 +693,19 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.alloc.check_integrity()
         ps = self.page_size
         tree: dict[tuple, int] = {}
-        stack = [(cache.root, ())]
+        stack = [(cache.root, None, ())]
         while stack:
-            node, prefix = stack.pop()
+            node, ns, prefix = stack.pop()
             for child in node.children.values():
+                if child.namespace is not None:
+                    assert node is cache.root and not len(child.key) and not len(child.pages)
+                    stack.append((child, child.namespace, ()))
+                    continue
                 full = prefix + tuple(child.key.tolist())
                 for i, page in enumerate(child.pages.tolist()):
-                    tree[full[: len(prefix) + (i + 1) * ps]] = page
-                stack.append((child, full))
-        assert tree == {p: v[0] for p, v in self.model.items()}
+                    tree[ns, full[: len(prefix) + (i + 1) * ps]] = page
+                stack.append((child, ns, full))
+        assert tree == {k: v[0] for k, v in self.model.items()}
         assert cache.protected_pages == len(self._locked_prefixes())
         assert cache.cached_pages == len(self.model)
 

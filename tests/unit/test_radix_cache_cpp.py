@@ -83,6 +83,7 @@ PATTERNS = {
 }
 NUM_PAGES = {1: 24, 16: 14}  # small pools: most runs evict
 MAX_KEY_PAGES = 10
+NAMESPACES = st.sampled_from([None, None, "a", "b"])
 
 
 class DifferentialMachine(RuleBasedStateMachine):
@@ -110,29 +111,38 @@ class DifferentialMachine(RuleBasedStateMachine):
             tokens[mutation % len(tokens)] = 9
         return tuple(tokens + [5] * (tail % ps))
 
+    # keys are (namespace, tokens): the public namespace (None) or one of two salted ones
+
     @rule(
         target=keys,
         patterns=st.lists(st.integers(0, 2), min_size=0, max_size=6),
         mutation=st.none() | st.integers(0, 200),
         tail=st.integers(0, 15),
+        ns=NAMESPACES,
     )
-    def new_key(self, patterns, mutation, tail):
+    def new_key(self, patterns, mutation, tail, ns):
         if not patterns:
-            return tuple([5] * (tail % self.page_size))  # shorter than a page (or empty)
-        return self._build(patterns, mutation, tail)
+            return ns, tuple([5] * (tail % self.page_size))  # shorter than a page (or empty)
+        return ns, self._build(patterns, mutation, tail)
 
     @rule(target=keys, key=keys, more=st.lists(st.integers(0, 2), min_size=1, max_size=3))
     def extend_key(self, key, more):
         ps = self.page_size
-        aligned = key[: len(key) // ps * ps]
-        return (aligned + self._build(more, None, 0))[: MAX_KEY_PAGES * ps]
+        ns, tokens = key
+        aligned = tokens[: len(tokens) // ps * ps]
+        return ns, (aligned + self._build(more, None, 0))[: MAX_KEY_PAGES * ps]
+
+    @rule(target=keys, key=keys, ns=NAMESPACES)
+    def other_namespace(self, key, ns):
+        return ns, key[1]
 
     # ---- both trees, side by side ----
 
     def _match(self, key: tuple):
         # the Python tree gets a list, the C++ one an int64 array: both convert
-        mp = self.py.match_prefix(list(key))
-        mc = self.cc.match_prefix(np.array(key, dtype=np.int64))
+        ns, tokens = key
+        mp = self.py.match_prefix(list(tokens), ns)
+        mc = self.cc.match_prefix(np.array(tokens, dtype=np.int64), namespace=ns)
         same_match(mp, mc)
         return mp, mc
 
@@ -144,7 +154,8 @@ class DifferentialMachine(RuleBasedStateMachine):
     def _insert_new(self, key: tuple, own_py, own_cc):
         """Allocate the pages past the matched ones (evicting if needed), insert, free dups."""
         ps = self.page_size
-        n_pages = len(key) // ps
+        ns, tokens = key
+        n_pages = len(tokens) // ps
         own = len(own_py)
         need = n_pages - own
         news = [alloc.alloc(need) for alloc in self.allocs]
@@ -158,7 +169,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         results = []
         for tree, alloc, mine, new in zip((self.py, self.cc), self.allocs, (own_py, own_cc), news):
             pages = np.concatenate([mine, new])
-            r = tree.insert(np.array(key, dtype=np.int32), pages)
+            r = tree.insert(np.array(tokens, dtype=np.int32), pages, ns)
             alloc.free(pages[own : r.prefix_len // ps])
             results.append(r)
         rp, rc = results
@@ -276,6 +287,8 @@ def random_trace(
         (CppPageAllocator if cpp_allocator else PageAllocator)(num_pages),
     ]
     py, cc = RadixCache(page_size, allocs[0]), CppRadixCache(page_size, allocs[1])
+    # conversations in the public namespace and two salted ones, often with equal tokens
+    spaces = [None, "a", "b"]
     histories = [
         rng.integers(0, vocab, rng.integers(0, 64), dtype=np.int32) for _ in range(conversations)
     ]
@@ -284,7 +297,8 @@ def random_trace(
         c = int(rng.integers(len(histories)))
         if op < 0.5:  # a turn of conversation c: match its history + new tokens, then insert
             key = np.concatenate([histories[c], rng.integers(0, vocab, rng.integers(1, 40))])
-            mp, mc = py.match_prefix(key[:-1]), cc.match_prefix(key[:-1])
+            ns = spaces[c % 3]
+            mp, mc = py.match_prefix(key[:-1], ns), cc.match_prefix(key[:-1], ns)
             same_match(mp, mc)
             py.lock(mp.node)
             cc.lock(mc.node)
@@ -298,14 +312,15 @@ def random_trace(
             if news[0] is not None:
                 for tree, alloc, m, new in zip((py, cc), allocs, (mp, mc), news):
                     pages = np.concatenate([m.pages, new])
-                    r = tree.insert(key[: whole * page_size], pages)
+                    r = tree.insert(key[: whole * page_size], pages, ns)
                     alloc.free(pages[len(m.pages) : r.prefix_len // page_size])
                 histories[c] = key
             py.unlock(mp.node)
             cc.unlock(mc.node)
         elif op < 0.93:  # a re-read of a random prefix: LRU refreshes, heap pushes, splits
             key = histories[c][: rng.integers(0, len(histories[c]) + 1)]
-            same_match(py.match_prefix(key), cc.match_prefix(key))
+            ns = spaces[int(rng.integers(3))]
+            same_match(py.match_prefix(key, ns), cc.match_prefix(key, ns))
         elif op < 0.995:
             n = int(rng.integers(0, 16))
             assert py.evict(n) == cc.evict(n)
@@ -504,6 +519,12 @@ REFERENCE_TESTS = [
     ref.test_long_prompts_match_page_aligned,
     ref.test_pretty_mentions_nodes,
     ref.test_check_integrity_expect_unlocked,
+    ref.test_namespaces_share_nothing_not_even_the_first_token,
+    ref.test_namespace_nodes_hold_nothing_and_are_dropped_when_emptied,
+    ref.test_eviction_across_namespaces_is_one_lru,
+    ref.test_locks_through_namespace_nodes,
+    ref.test_disabled_cache_ignores_namespaces,
+    ref.test_a_namespace_is_a_str,
 ]
 
 

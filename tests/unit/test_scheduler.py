@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.main import advance
 from radix_runtime.scheduler.scheduler import Scheduler
 
 VOCAB = 97
@@ -93,8 +94,9 @@ class FakeWorker:
 
 
 class Driver:
-    """The scheduler process's loop (scheduler/main.py) against a FakeWorker, one iteration at
-    a time: with the overlap schedule on, step N+1 is sent before N's result is processed."""
+    """The scheduler process's step loop (`scheduler.main.advance`) against a FakeWorker, one
+    turn at a time: with the overlap schedule on, step N+1 is sent before N's result is
+    processed."""
 
     def __init__(self, sched: Scheduler, worker: FakeWorker):
         self.sched, self.worker = sched, worker
@@ -104,23 +106,14 @@ class Driver:
 
     def send(self, batch, plan):
         self.trace.append([(p.req.rid, p.num_tokens) for p in plan])
-        return plan, self.worker.forward(batch)
+        return self.worker.forward(batch)
 
     def busy(self) -> bool:
         return self.sched.has_work() or self.inflight is not None
 
     def iteration(self) -> None:
-        sched = self.sched
-        if self.inflight is None:
-            scheduled = sched.schedule()
-            if scheduled is not None:
-                self.inflight = self.send(*scheduled)
-        if self.inflight is not None:
-            ahead = sched.schedule_ahead(self.inflight[0])
-            following = self.send(*ahead) if ahead is not None else None
-            self.ahead_steps += ahead is not None
-            sched.process_result(*self.inflight)
-            self.inflight = following
+        self.inflight, _ = advance(self.sched, self.inflight, self.send, self.sched.process_result)
+        self.ahead_steps += self.inflight is not None  # what stays in flight was built ahead
 
 
 def run_workload(
@@ -142,14 +135,17 @@ def run_workload(
     aborts=None,
     info=None,
     ignore_eos=False,
+    namespaces=None,
+    on_step=None,
 ):
-    """Run prompts to completion; `arrivals[i]` is the step at which request i arrives.
+    """Run prompts to completion; `namespaces[i]` is request i's cache namespace ("": public); `arrivals[i]` is the step at which request i arrives.
 
     `mixed` sets enable_mixed_chunk; `trace`, a list, gets one entry per step: the batch's
     (rid, num_tokens) pairs, in order (empty when nothing was scheduled; with `overlap`, one
     entry per batch sent). `overlap` runs the overlap schedule's loop; `stop_ids` are stop token
     ids; `aborts` maps a rid to the step at which it is aborted; `info`, a dict, gets the
-    driver's counters."""
+    driver's counters; `on_step(sched, step)` runs before each iteration (where the scheduler
+    process handles control messages)."""
     args = ServerArgs(
         page_size=page_size,
         max_total_tokens=pool_tokens,
@@ -179,13 +175,20 @@ def run_workload(
     while pending or driver.busy():
         for i in [i for i in pending if arrivals[i] <= step]:
             sched.add_request(
-                m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
+                m.GenerateReq(
+                    rid=f"r{i}",
+                    input_ids=m.pack_ids(prompts[i]),
+                    sampling=sampling,
+                    cache_namespace=namespaces[i] if namespaces else "",
+                )
             )
             pending.remove(i)
         arrived = {f"r{i}" for i in range(len(prompts)) if i not in pending}
         for rid in [rid for rid, at in aborts.items() if at <= step and rid in arrived]:
             sched.abort(rid)
             del aborts[rid]
+        if on_step is not None:
+            on_step(sched, step)
         sent = len(driver.trace)
         driver.iteration()
         if trace is not None:
@@ -609,6 +612,27 @@ def test_waiting_for_a_shared_prefix_only_when_it_can_be_matched(prompt_logprobs
         assert sched.reqs["B"].cached_tokens == 250
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_namespaces_share_nothing_in_the_tree_or_in_a_batch(overlap):
+    """The same long prompt in three namespaces, then again in each: the first of each
+    namespace computes all of it (the others, arriving together, do not wait for a prefix they
+    could never match), the repeats hit their own namespace's copy; outputs equal cache-off."""
+    prompt = [1 + i % 90 for i in range(150)]
+    spaces = ["", "salt-a", "salt-b"]
+    prompts, namespaces = [prompt] * 6, spaces * 2
+    arrivals = [0, 0, 0, 40, 40, 40]
+    trace: list = []
+    out, _, sched = run_workload(
+        prompts, 3, chunk=512, overlap=overlap, arrivals=arrivals, namespaces=namespaces,
+        trace=trace,
+    )  # fmt: skip
+    first_step = [rid for rid, _ in trace[0]]
+    assert first_step == ["r0", "r1", "r2"], trace[0]  # nobody waited for another namespace
+    assert sched.cached_tokens_total == 3 * 149  # each repeat hits its own copy only
+    ref, _, _ = run_workload(prompts, 3, chunk=512, arrivals=arrivals, disable=True)
+    assert out == ref
+
+
 def test_prefill_only_request_warms_the_cache():
     args = ServerArgs(max_total_tokens=512, radix_tree_impl="python")
     worker = FakeWorker(513, 1, 8)
@@ -649,6 +673,8 @@ def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk, mixe
         ]
         prompts.append(p)
     arrivals = sorted(rng.randrange(0, 30) for _ in prompts)
+    # cache salts: most requests public, some in one of two salted namespaces
+    namespaces = [rng.choice(["", "", "", "a", "b"]) for _ in prompts]
     off, _, _ = run_workload(
         prompts,
         10,
@@ -669,6 +695,7 @@ def test_random_workloads_cache_on_equals_off(seed, page_size, pool, chunk, mixe
         max_running=4,
         mixed=mixed,
         overlap=overlap,
+        namespaces=namespaces,
     )
     assert on == off
 

@@ -1,5 +1,5 @@
 """The scheduler's per-step debug line (`--log-level debug`): what each step held and cost, and
-whose first token it produced; the multi-turn diagnosis in docs/benchmarks.md reads it."""
+whose first token it produced; a multi-turn TTFT diagnosis reads it from a server log."""
 
 from __future__ import annotations
 

@@ -30,8 +30,14 @@ def _flashinfer_available() -> bool:
 
 
 def create_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    **options,
 ) -> AttentionBackend:
+    """`options`: scale, layer_windows (AttentionBackend's keyword arguments)."""
     name = resolve_backend_name(name, device)
     if name == "torch":
         from radix_runtime.worker.attention.torch_native import TorchNativeBackend
@@ -46,7 +52,7 @@ def create_backend(
     else:
         raise ValueError(f"unknown attention backend {name!r}")
     logger.info("attention backend: %s", name)
-    return cls(num_heads, num_kv_heads, head_dim, device)
+    return cls(num_heads, num_kv_heads, head_dim, device, **options)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "create_backend", "resolve_backend_name"]

@@ -80,12 +80,26 @@ class AttentionBackend(ABC):
         num_kv_heads: int,
         head_dim: int,
         device: torch.device,
+        *,
+        scale: float | None = None,
+        layer_windows: tuple[int, ...] | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.device = device
+        # per layer: how many keys (itself included) a query sees, 0 = all (ModelConfig's
+        # layer_windows); None when no layer is windowed
+        self.layer_windows = tuple(layer_windows) if layer_windows and any(layer_windows) else None
+
+    def window(self, layer_id: int) -> int:
+        """Layer `layer_id`'s window (0: the whole sequence)."""
+        return 0 if self.layer_windows is None else self.layer_windows[layer_id]
+
+    def windows(self) -> list[int]:
+        """The distinct windows of all layers (0 = full), each planned once per batch."""
+        return sorted(set(self.layer_windows)) if self.layer_windows else [0]
 
     def bind_pool(self, kv_pool: KVPool) -> None:
         """Called once, after the runner allocated the pool (dtype, page size are known then)."""

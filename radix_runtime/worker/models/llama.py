@@ -9,7 +9,6 @@ attention backend knows which request each token belongs to.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -18,6 +17,15 @@ from torch import nn
 
 from radix_runtime.worker.attention.base import AttentionBackend
 from radix_runtime.worker.kv_pool import KVPool
+from radix_runtime.worker.layers import (  # noqa: F401 (re-exported: Linear, Embedding, rope_inv_freq)
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    rope_inv_freq,
+)
 from radix_runtime.worker.model_config import ModelConfig
 
 # checkpoint name part -> (our fused parameter part, shard id)
@@ -28,96 +36,6 @@ _STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b). Allocation only: torch's nn.Linear would run an init we overwrite anyway."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, with Llama 3 / linear scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta
-        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    )
-    if config.rope_freq_factors is not None:  # GGUF's precomputed Llama 3 divisors
-        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type") == "linear":
-        return inv_freq / float(scaling["factor"])
-    if scaling.get("rope_type") == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    return inv_freq
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent scaling (same formula as transformers' rope utils)."""
-    factor, low, high = (
-        float(s["factor"]),
-        float(s["low_freq_factor"]),
-        float(s["high_freq_factor"]),
-    )
-    old_len = float(s["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding:
-    """cos/sin for the positions of a batch, computed on the fly (no max-length table)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        self._inv_freq_cpu = rope_inv_freq(config)
-        self._inv_freq: torch.Tensor | None = None
-
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each [N, 1, head_dim], broadcasting over heads."""
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq_cpu.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaAttention(nn.Module):
@@ -149,25 +67,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, c.q_size))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, False, dtype)
-        self.down_proj = Linear(inter, config.hidden_size, False, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, layer_id, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(
         self,
@@ -193,6 +99,10 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names mirror Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
+
+    # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers) | int4
+    # (rounded at load, kept dequantized)
+    quantization = "none"
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -242,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
-        if h.shape[0] == 1 and ops.ROW_FUSION and not (c.qkv_bias or c.o_bias):
+        row_ok = not (c.qkv_bias or c.o_bias)  # (FP8 layers: the GEMV reads their scales)
+        if h.shape[0] == 1 and ops.ROW_FUSION and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
         x = ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
@@ -250,12 +161,12 @@ class LlamaForCausalLM(nn.Module):
             if i > 0:  # residual += h (the previous MLP's output); x = norm(residual)
                 x = ops.fused_add_rmsnorm(h, residual, layer.input_layernorm.weight, eps)
             a, mlp = layer.self_attn, layer.mlp
-            qkv = ops.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+            qkv = ops.project(x, a.qkv_proj)
             out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
-            h = ops.linear(out, a.o_proj.weight, a.o_proj.bias)
+            h = ops.project(out, a.o_proj)
             x = ops.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
-            gate_up = ops.linear(x, mlp.gate_up_proj.weight, None)
-            h = ops.linear(ops.silu_and_mul(gate_up), mlp.down_proj.weight, None)
+            gate_up = ops.project(x, mlp.gate_up_proj)
+            h = ops.project(ops.silu_and_mul(gate_up), mlp.down_proj)
         return ops.fused_add_rmsnorm(h, residual, self.model.norm.weight, eps)
 
     def _forward_row(
@@ -275,14 +186,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             qkv = ops.gemv(residual, a.qkv_proj.weight, norm_weight=layer.input_layernorm.weight,
-                           eps=eps)  # fmt: skip
+                           eps=eps, w_scale=_scale(a.qkv_proj))  # fmt: skip
             out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
-            ops.gemv(out, a.o_proj.weight, add_to=residual)
+            ops.gemv(out, a.o_proj.weight, add_to=residual, w_scale=_scale(a.o_proj))
             gate_up = ops.gemv(
                 residual, mlp.gate_up_proj.weight, norm_weight=layer.post_attention_layernorm.weight,
-                eps=eps,
+                eps=eps, w_scale=_scale(mlp.gate_up_proj),
             )  # fmt: skip
-            ops.gemv(gate_up, mlp.down_proj.weight, silu=True, add_to=residual)
+            ops.gemv(gate_up, mlp.down_proj.weight, silu=True, add_to=residual,
+                     w_scale=_scale(mlp.down_proj))  # fmt: skip
         return ops.rmsnorm(residual, self.model.norm.weight, eps)
 
     def _attend(
@@ -342,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
         self, param: nn.Parameter, shard: str | int | None, tensor: torch.Tensor, name: str
     ) -> None:
         dst = param.data[shard_rows(self.config, shard, param.shape[0])]
+        if name.endswith(".weight_scale") and tensor.numel() == 1 and dst.dim() == 1:
+            tensor = tensor.reshape(1).expand(dst.shape)  # a per-tensor FP8 scale, on every row
         if dst.shape != tensor.shape:
             raise ValueError(
                 f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(dst.shape)}"
@@ -351,6 +265,11 @@ class LlamaForCausalLM(nn.Module):
             param.data = tensor
         else:
             dst.copy_(tensor)
+
+
+def _scale(layer: nn.Module) -> torch.Tensor | None:
+    """An FP8 projection's per-row weight scale (None for a plain one)."""
+    return getattr(layer, "weight_scale", None)
 
 
 def fused_name(name: str) -> tuple[str, str | int | None]:
@@ -399,12 +318,3 @@ def fuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, to
     for target, parts in shards.items():
         fused[target] = torch.cat([parts[s] for s in _shards_of(target)])
     return fused
-
-
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Allocate the parameters uninitialised on `device` (no init kernels, no CPU detour)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype)
-    model = model.to_empty(device=device)
-    model.requires_grad_(False)
-    return model.eval()

@@ -1,0 +1,182 @@
+"""What the scheduler counts for /metrics, and the radix tree's picture for /cache_tree.
+
+`SchedulerStats` holds increments since the last report: `report()` hands them to the HTTP
+process in a `SchedulerMetrics` (with the gauges as they are now) and starts again from zero.
+The HTTP process adds them up, so the totals it exposes only ever grow, whatever happens here.
+Recording is a few integer additions and bisects per step; with --disable-metrics the scheduler
+holds no SchedulerStats at all.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from radix_runtime.messages import (
+    CacheTree,
+    CacheTreeNode,
+    HistogramDelta,
+    SchedulerMetrics,
+    pack_ids,
+)
+from radix_runtime.utils.histogram import (
+    BATCH_SIZE_BUCKETS,
+    LATENCY_BUCKETS,
+    STEP_BUCKETS,
+    STEP_TOKENS_BUCKETS,
+    Histogram,
+)
+
+# name -> bucket bounds of every histogram the scheduler ships (the HTTP side builds its totals
+# from this table)
+SCHEDULER_HISTOGRAMS: dict[str, tuple[float, ...]] = {
+    "queue_time": LATENCY_BUCKETS,  # arrival at the scheduler -> first admitted to a step
+    "prefill_time": LATENCY_BUCKETS,  # first admitted -> first output token sampled
+    "step_time": STEP_BUCKETS,  # a forward step, sent -> its result back at the scheduler
+    "forward_time": STEP_BUCKETS,  # the worker's own time for a step (ForwardResult.forward_s)
+    "batch_size": BATCH_SIZE_BUCKETS,  # requests in a step
+    "step_tokens": STEP_TOKENS_BUCKETS,  # tokens computed in a step
+}
+
+
+class SchedulerStats:
+    def __init__(self) -> None:
+        self.hist = {name: Histogram(bounds) for name, bounds in SCHEDULER_HISTOGRAMS.items()}
+        self._zero_counters()
+
+    def _zero_counters(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.host_cached_tokens = 0
+        self.generation_tokens = 0
+        self.retractions = 0
+        self.evicted_pages = 0
+
+    # -- recording (called by the scheduler) ---------------------------------------------
+
+    def admitted(
+        self, prompt_tokens: int, cached_tokens: int, queued_s: float, host_cached_tokens: int = 0
+    ) -> None:
+        """A request's first admission (a retried one is not counted again); of its
+        `cached_tokens`, `host_cached_tokens` were loaded from the host tier."""
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.host_cached_tokens += host_cached_tokens
+        self.hist["queue_time"].observe(queued_s)
+
+    def first_token(self, prefill_s: float) -> None:
+        self.hist["prefill_time"].observe(prefill_s)
+
+    def step(self, batch_size: int, tokens: int, step_s: float, forward_s: float) -> None:
+        h = self.hist
+        h["batch_size"].observe(batch_size)
+        h["step_tokens"].observe(tokens)
+        h["step_time"].observe(step_s)
+        h["forward_time"].observe(forward_s)
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def report(self, sched) -> SchedulerMetrics:
+        """Gauges now, and every increment since the previous report (then zeroed)."""
+        cache = sched.cache
+        msg = SchedulerMetrics(
+            running_requests=len(sched.running),
+            waiting_requests=len(sched.waiting),
+            total_pages=sched.allocator.total_pages,
+            free_pages=sched.allocator.free_pages,
+            evictable_pages=cache.evictable_pages,
+            protected_pages=cache.protected_pages,
+            page_size=sched.page_size,
+            tree_nodes=cache.stats()["nodes"],
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            host_cached_tokens=self.host_cached_tokens,
+            generation_tokens=self.generation_tokens,
+            retractions=self.retractions,
+            evicted_pages=self.evicted_pages,
+            histograms={
+                name: HistogramDelta(h.counts, h.sum)
+                for name, h in self.hist.items()
+                if h.sum or any(h.counts)
+            },
+        )
+        for h in self.hist.values():
+            h.clear()
+        self._zero_counters()
+        return msg
+
+
+# ---------------------------------------------------------------------------------------------
+# the tree's top levels
+
+
+HEAD_TOKENS = 16  # token ids of each edge's start sent for a preview
+
+
+def cache_tree(cache, max_depth: int, max_children: int, max_nodes: int) -> CacheTree:
+    """The top `max_depth` levels of the radix tree, each node with the tokens of its subtree.
+
+    Works on either tree through the node interface (`children`, `key`, `pages`, `lock_ref`,
+    `last_access`). Subtree sizes need the nodes below the shown levels too: the walk visits at
+    most `max_nodes` nodes (breadth first); past that, sizes count only what was visited and
+    `truncated` is set. Per node the `max_children` largest subtrees are listed, the others
+    summed. Runs in the scheduler between steps: bounded by `max_nodes`."""
+    root = cache.root
+    clock = root.last_access  # every match and insert stamps the root with the newest tick
+    # breadth-first: (node, parent visit index, depth)
+    order: list[tuple[object, int, int]] = [(root, -1, 0)]
+    sizes: list[int] = [0]
+    edge: list[int] = [0]
+    kids: list[list[int]] = [[]]
+    queue = deque([0])
+    truncated = False
+    while queue:
+        i = queue.popleft()
+        node = order[i][0]
+        for child in node.children.values():
+            if len(order) > max_nodes:
+                truncated = True
+                queue.clear()
+                break
+            j = len(order)
+            order.append((child, i, order[i][2] + 1))
+            n = len(child.key)
+            sizes.append(n)
+            edge.append(n)
+            kids.append([])
+            kids[i].append(j)
+            queue.append(j)
+    for j in range(len(order) - 1, 0, -1):  # children come after their parents
+        sizes[order[j][1]] += sizes[j]
+
+    nodes: list[CacheTreeNode] = []
+
+    def emit(i: int, parent: int) -> None:
+        node, _, depth = order[i]
+        shown = sorted(kids[i], key=lambda j: -sizes[j])
+        children = shown[:max_children] if depth < max_depth else []
+        rest = shown[len(children) :]
+        key = node.key
+        nodes.append(
+            CacheTreeNode(
+                parent=parent,
+                tokens=edge[i],
+                subtree_tokens=sizes[i],
+                pages=len(node.pages),
+                locked=node.lock_ref > 0,
+                age=max(clock - node.last_access, 0),
+                head=pack_ids(key[:HEAD_TOKENS]) if len(key) else b"",
+                other_children=len(rest),
+                other_tokens=sum(sizes[j] for j in rest),
+            )
+        )
+        me = len(nodes) - 1
+        for j in children:
+            emit(j, me)
+
+    emit(0, -1)
+    return CacheTree(
+        nodes=nodes,
+        total_nodes=cache.stats()["nodes"],
+        visited=len(order) - 1,
+        truncated=truncated,
+    )

@@ -1,0 +1,90 @@
+"""Constrained decoding on CUDA: xgrammar's bitmask applied to device logits under every sampler
+setting, min_tokens, and a constrained slot decoding with the overlap schedule's launch-ahead
+(its mask waits for the previous token through the step's event and pinned host copy)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytest.importorskip("xgrammar")
+pytest.importorskip("flashinfer")
+
+from gpu_support import cuda_runner  # noqa: E402
+from grammar_steps import REGEX, check_constrained, check_min_tokens, is_prefix  # noqa: E402
+
+from radix_runtime import messages as m  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def test_mask_holds_for_every_sampler_setting_cuda():
+    check_constrained(CUDA)
+
+
+def test_min_tokens_cuda():
+    check_min_tokens(CUDA)
+
+
+def _compile(runner, kind, text):
+    runner.compile_grammar(kind, text)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for done in runner.finished_compiles():
+            assert done.error is None, done.error
+            return
+        time.sleep(0.01)
+    raise AssertionError("the grammar did not compile")
+
+
+def _decode_steps(runner, ahead: bool, n: int = 12) -> list[int]:
+    """n greedy tokens of one constrained slot, cut after the grammar's end."""
+    sampling = m.SamplingParams(temperature=0.0, regex=REGEX, max_new_tokens=64)
+    prompt = list(range(40, 60))
+    pages = list(range(1, 1 + (len(prompt) + n) // 4 + 2))
+    first = m.ForwardBatch(
+        step=1,
+        reqs=[
+            m.ForwardReq(
+                slot=0, input_ids=m.pack_ids(prompt), start_pos=0, new_pages=m.pack_ids(pages),
+                new_slot=True, sampling=sampling,
+            )
+        ],
+    )  # fmt: skip
+    results: list[m.ForwardReqResult] = []
+    if not ahead:
+        results.append(runner.forward(first).results[0])
+        for step in range(2, n + 1):
+            req = m.ForwardReq(
+                slot=0,
+                input_ids=m.pack_ids([results[-1].next_id]),
+                start_pos=len(prompt) + step - 2,
+            )
+            results.append(runner.forward(m.ForwardBatch(step=step, reqs=[req])).results[0])
+    else:
+        pending = runner.launch(first)
+        for step in range(2, n + 1):
+            req = m.ForwardReq(
+                slot=0, input_ids=b"", start_pos=len(prompt) + step - 2, from_last_sample=True
+            )
+            following = runner.launch(m.ForwardBatch(step=step, reqs=[req]))
+            results.append(runner.collect(pending).results[0])
+            pending = following
+        results.append(runner.collect(pending).results[0])
+    runner.forward(m.ForwardBatch(step=0, reqs=[], released_slots=[0]))
+    done = [r.grammar_done for r in results]
+    return [r.next_id for r in results][: done.index(True) if True in done else n]
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_constrained_launch_ahead_equals_synchronous(graphs):
+    runner = cuda_runner(page_size=4, disable_cuda_graph=not graphs)
+    _compile(runner, "regex", REGEX)
+    sync = _decode_steps(runner, ahead=False)
+    ahead = _decode_steps(runner, ahead=True)
+    assert ahead == sync
+    text = bytes(b for t in sync for b in runner.grammars.info.decoded_vocab[t]).decode()
+    assert is_prefix(text), text

@@ -1,0 +1,147 @@
+"""Constrained sampling on the CPU: grammar masks under every sampler setting, min_tokens, the
+compile cache, and xgrammar's view of our tokenizer (the same checks run on CUDA in
+tests/gpu/test_grammar_gpu.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from grammar_steps import check_constrained, check_min_tokens, grammar_cache
+
+from radix_runtime.grammar.matcher import clear_tokens
+
+pytestmark = pytest.mark.slow  # loads the default model's tokenizer
+
+CPU = torch.device("cpu")
+
+
+def test_mask_holds_for_every_sampler_setting():
+    check_constrained(CPU)
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    check_min_tokens(CPU)
+
+
+def wait_compiled(cache, n: int, timeout: float = 60.0):
+    done, deadline = [], time.monotonic() + timeout
+    while len(done) < n and time.monotonic() < deadline:
+        done += cache.take_finished()
+        time.sleep(0.005)
+    return done
+
+
+def test_compile_cache_and_errors():
+    _, cache = grammar_cache()
+    cache.take_finished()
+    text = '{"type": "object", "properties": {"x": {"type": "integer"}}}'
+    cache.submit("json_schema", text)
+    (first,) = wait_compiled(cache, 1)
+    assert first.error is None and not first.cache_hit
+    hits = cache.hits
+    cache.submit("json_schema", text)
+    (second,) = wait_compiled(cache, 1)
+    assert second.cache_hit and cache.hits == hits + 1
+    cache.submit("regex", "[z-a]")
+    cache.submit("ebnf", 'root ::= "a" missing_rule')
+    errors = {d.kind: d.error for d in wait_compiled(cache, 2)}
+    assert errors["regex"].startswith("invalid regex") and "/project" not in errors["regex"]
+    assert errors["ebnf"].startswith("invalid EBNF grammar")
+    cache.submit("regex", "[z-a]")  # an invalid grammar is cached too: reported at once
+    (again,) = wait_compiled(cache, 1)
+    assert again.cache_hit and again.error == errors["regex"]
+
+
+def test_tokenizer_info_matches_our_tokenizer():
+    tokenizer, cache = grammar_cache()
+    info = cache.info
+    assert info.vocab_size == tokenizer.vocab_size
+    assert info.stop_token_ids == [2]
+    # special tokens (<|im_start|> ...) are never allowed inside a grammar
+    assert tokenizer.token_to_id("<|im_start|>") in info.special_token_ids
+    decoded = info.decoded_vocab
+    for tid in (tokenizer.encode(" hello", add_special_tokens=False)[0], 33, 1000):
+        assert decoded[tid] == tokenizer.token_bytes(tid)
+
+
+def bits(row: torch.Tensor) -> set[int]:
+    return {w * 32 + b for w in range(len(row)) for b in range(32) if int(row[w]) >> b & 1}
+
+
+def test_clear_tokens_keeps_a_row_that_can_only_stop():
+    row = torch.zeros(4, dtype=torch.int32)
+    row[0] = (1 << 2) | (1 << 5)
+    row[1] = -(2**31)  # token 63: the sign bit of word 1
+    clear_tokens(row, [2, 63])
+    assert bits(row) == {5}
+    only_stop = torch.zeros(4, dtype=torch.int32)
+    only_stop[0] = 1 << 2
+    clear_tokens(only_stop, [2, 63])
+    assert bits(only_stop) == {2}  # the grammar can only stop: min_tokens gives way
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheduler's side: a request waits for its grammar without holding anything up
+
+
+def _scheduler():
+    from radix_runtime import messages as m
+    from radix_runtime.config import ServerArgs
+    from radix_runtime.scheduler.scheduler import Scheduler
+
+    ready = m.WorkerReady(
+        num_pages=256, page_size=1, context_length=512, vocab_size=1000, eos_token_ids=[2],
+        device="cpu", dtype="float32", attention_backend="torch",
+    )  # fmt: skip
+    return Scheduler(ServerArgs(max_running_requests=4), ready)
+
+
+def _req(rid: str, **sampling):
+    from radix_runtime import messages as m
+
+    return m.GenerateReq(
+        rid=rid, input_ids=m.pack_ids([5, 6, 7]), sampling=m.SamplingParams(**sampling)
+    )
+
+
+def test_scheduler_runs_others_while_a_grammar_compiles():
+    from radix_runtime import messages as m
+
+    sched = _scheduler()
+    sched.add_request(_req("slow", regex="a+"))
+    sched.add_request(_req("shared", regex="a+"))  # joins the compile in flight
+    sched.add_request(_req("free"))
+    (compile_msg,) = sched.take_worker_messages()
+    assert (compile_msg.kind, compile_msg.text) == ("regex", "a+")
+    batch, _ = sched.schedule()
+    assert [r.slot for r in batch.reqs] == [sched.reqs["free"].slot]  # not held up
+    sched.grammar_compiled(m.GrammarCompiled(kind="regex", text="a+", compile_s=0.5))
+    assert {r.rid for r in sched.waiting} == {"slow", "shared"}
+    sched.add_request(_req("later", regex="a+"))  # compiled already: straight to the queue
+    assert sched.take_worker_messages() == [] and sched.waiting[-1].rid == "later"
+    stats = sched.grammar_stats()
+    assert (stats.requests, stats.cache_hits, stats.compiles) == (3, 2, 1)
+    assert stats.compile_p50_s == 0.5
+
+
+def test_scheduler_fails_requests_of_an_invalid_grammar_and_aborts_waiting_ones():
+    from radix_runtime import messages as m
+
+    sched = _scheduler()
+    for rid in ("a", "b", "c"):
+        sched.add_request(_req(rid, ebnf="root ::= x"))
+    sched.abort("c")  # while its grammar compiles
+    outs = {o.rid: o for o in sched.take_outputs()}
+    assert outs["c"].finish_reason == "abort"
+    sched.grammar_compiled(
+        m.GrammarCompiled(kind="ebnf", text="root ::= x", error="invalid EBNF grammar: x")
+    )
+    outs = {o.rid: o for o in sched.take_outputs()}
+    assert set(outs) == {"a", "b"}
+    assert all(
+        o.error_code == "invalid_grammar" and o.finish_reason == "error" for o in outs.values()
+    )
+    assert not sched.has_work() and not sched.grammar_waiting and not sched.reqs
+    sched.check_integrity()
