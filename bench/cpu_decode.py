@@ -1,7 +1,7 @@
 """Our CPU server next to llama.cpp's server on the same GGUF file, same thread count, same run.
 
     python bench/cpu_decode.py [--formats float32,bfloat16,int8,int4] [--threads 2] [--rounds 2]
-                               [--tokens 64] [--out docs/results/cpu_decode.json]
+                               [--tokens 64] [--out docs/results/cpu_vs_llamacpp.json]
 
 The peer is llama-cpp-python's OpenAI server (`pip install 'radix_runtime[bench]'`) on the
 embedded default GGUF (SmolLM2-135M-Instruct, Q4_1). Ours is `radix-runtime serve` once per
