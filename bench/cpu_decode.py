@@ -42,7 +42,7 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import LaunchedServer, _die_with_parent, free_port, provenance
+from bench.common import LaunchedServer, _die_with_parent, exit_on_sigterm, free_port, provenance
 from radix_runtime.model_source import default_gguf_path
 
 EOS_BIAS = {"0": -100.0, "2": -100.0}  # <|endoftext|>, <|im_end|>: a fixed number of tokens
@@ -67,6 +67,8 @@ class LlamaCppServer:
         self.cmd = [
             sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", str(self.port),
             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
+            # its default cuts a running stream when the next request arrives: queue them instead
+            "--interrupt_requests", "False",
         ]  # fmt: skip
         self.log_path = os.path.join(tempfile.mkdtemp(prefix="llamacpp-"), "server.log")
 
@@ -140,7 +142,10 @@ def measure(url: str, tokens: int, tag: str) -> dict:
     results: list = [None] * 8
 
     def one(i: int) -> None:
-        results[i] = stream(url, f"{i}. {DECODE_PROMPT}", tokens)
+        try:
+            results[i] = stream(url, f"{i}. {DECODE_PROMPT}", tokens)
+        except Exception as exc:  # raised in the main thread below
+            results[i] = exc
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
@@ -149,6 +154,11 @@ def measure(url: str, tokens: int, tag: str) -> dict:
     for t in threads:
         t.join()
     decode_b8 = 8 * tokens / (time.perf_counter() - t0)
+    for r in results:
+        if isinstance(r, Exception):
+            raise RuntimeError(f"a batch-8 stream failed: {r}") from r
+        if r[3] == 0:
+            raise RuntimeError("a batch-8 stream returned no text")
 
     prompt = long_prompt(f"prefill {tag}")
     seconds, reply = complete(url, prompt, 1)
@@ -203,6 +213,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    exit_on_sigterm()  # launched servers are stopped on the way out
     formats = args.formats.split(",")
     gguf = default_gguf_path()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # our worker's threads (cpu_threads())
