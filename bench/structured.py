@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=40, help="distinct schemas (compile part)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per batch size")
     ap.add_argument("--jump-repeats", type=int, default=4)
-    ap.add_argument("--jump-tokens", type=int, default=128, help="max output tokens (part 3)")
+    ap.add_argument("--jump-tokens", type=int, default=256, help="max output tokens (part 3)")
     ap.add_argument("--launch-timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
