@@ -104,6 +104,9 @@ setup(
             "sglang-router>=0.3.2,<0.4",  # the --dp tests run the real router
         ],
         "bench": ["matplotlib", "httpx"],
+        # tests/integration/test_lm_eval.py (skipped without it): lm-evaluation-harness with
+        # its API models; heavy (datasets, pandas, pyarrow, scikit-learn: ~4 min, ~0.5 GB)
+        "eval": ["lm_eval[api]==0.4.13"],
         # `serve --dp N`: SGLang's router (a Rust binary in a wheel; the tested API is 0.3.x's)
         "router": ["sglang-router>=0.3.2,<0.4"],
     },

@@ -20,6 +20,8 @@ class ServerArgs:
     model_config: str | None = None  # JSON config for dummy weights (name or path)
     tokenizer: str | None = None  # override tokenizer source
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # quantize an unquantized checkpoint at load: none | fp8 (W8A8; worker/quant.py)
+    quantization: str = "none"
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # override the model's context length
     served_model_name: str | None = None
@@ -35,6 +37,7 @@ class ServerArgs:
     max_body_bytes: int = 32 * 1024 * 1024
     # kv cache / scheduling
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16)
     max_total_tokens: int | None = None  # KV pool capacity in tokens; None: sized from memory
     mem_fraction_static: float = 0.85
     max_running_requests: int = 256
@@ -132,6 +135,10 @@ class ServerArgs:
             raise ValueError("--grammar-compile-threads must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.quantization not in _CHOICES["quantization"]:
+            raise ValueError(f"unknown --quantization {self.quantization!r}")
+        if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
+            raise ValueError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}")
 
 
 def _flag(name: str) -> str:
@@ -185,12 +192,21 @@ _HELP = {
     "API key's tenant (whatever cache_salt they send); none: with the same cache_salt "
     "(docs/tenancy.md)",
     "disable_docs": "do not serve /openapi.json and /docs",
+    "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
+    "per-output-channel scales and FP8 activations with per-token dynamic scales "
+    "(docs/quantization.md); quantized checkpoints (FP8, AWQ, GPTQ) are recognised from their "
+    "config and need no flag",
+    "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
+    "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "
+    "memory; docs/quantization.md)",
 }
 
 _CHOICES = {
     "load_format": ["auto", "gguf", "safetensors", "dummy"],
     "schedule_policy": ["lpm", "dfs-weight", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "quantization": ["none", "fp8"],
+    "kv_cache_dtype": ["auto", "fp8_e4m3"],
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],

@@ -184,6 +184,8 @@ class ServerInfo(_Msg):
     grammar: GrammarStats | None = None
     retractions: int = 0
     integrity_checks: int = 0
+    kv_cache_dtype: str = ""  # the KV pool's element type (fp8_e4m3 holds twice bf16's tokens)
+    quantization: str = "none"  # the weights' format
 
 
 class MetricsReq(_Msg):
@@ -257,6 +259,9 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     # prompt logprobs for positions [prompt_logprob_start, ...) gained this step
     prompt_logprob_start: int = -1
     prompt_logprobs: bytes = b""
+    # with top_logprobs_num = k > 0: the top-k ids and logprobs of each of those positions
+    prompt_top_ids: bytes = b""
+    prompt_top_logprobs: bytes = b""
     error: str | None = None
     error_code: str | None = None
 
@@ -339,6 +344,9 @@ class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     top_ids: bytes = b""
     top_logprobs: bytes = b""
     prompt_logprobs: bytes = b""  # float32, one per input position whose target is known
+    # with top_logprobs_num = k > 0: k per such position (echo of prompt logprobs)
+    prompt_top_ids: bytes = b""  # int32
+    prompt_top_logprobs: bytes = b""  # float32
 
 
 class ForwardResult(_Msg):
@@ -373,6 +381,8 @@ class WorkerReady(_Msg):
     device: str
     dtype: str
     attention_backend: str
+    kv_cache_dtype: str = ""  # the KV pool's element type: bfloat16, float32, fp8_e4m3...
+    quantization: str = "none"  # the weights': none | fp8 | awq | gptq (worker/quant.py)
 
 
 Message = Union[

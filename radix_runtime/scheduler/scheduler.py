@@ -78,6 +78,7 @@ class Scheduler:
         self.page_size = worker.page_size
         self.context_length = worker.context_length
         self.vocab_size = worker.vocab_size
+        self.kv_cache_dtype, self.quantization = worker.kv_cache_dtype, worker.quantization
         self.eos_ids = set(worker.eos_token_ids)
         self.allocator = PageAllocator(worker.num_pages)
         self.cache = make_radix_cache(
@@ -600,6 +601,10 @@ class Scheduler:
                 if keep < len(lps):
                     out.prompt_logprob_start = first + keep
                     out.prompt_logprobs = pack_floats(lps[keep:])
+                    if res.prompt_top_ids:  # k per position
+                        k = req.top_logprobs_num
+                        out.prompt_top_ids = res.prompt_top_ids[4 * k * keep :]
+                        out.prompt_top_logprobs = res.prompt_top_logprobs[4 * k * keep :]
                     has_news = True
             if p.sample:
                 token = int(res.next_id)
@@ -850,6 +855,8 @@ class Scheduler:
             grammar=self.grammar_stats(),
             retractions=self.retractions,
             integrity_checks=self.integrity_checks,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization,
         )
 
     def check_integrity(self) -> None:

@@ -38,7 +38,9 @@ from radix_runtime.server.errors import (
     install_error_handlers,
 )
 from radix_runtime.server.observability import install_observability_routes
+from radix_runtime.server.openapi import install_openapi, route_openapi
 from radix_runtime.server.tenancy import Tenant, cache_namespace, find_tenant, load_tenants
+from radix_runtime.server.tokenize_routes import install_tokenize_routes
 from radix_runtime.server.tools import (
     ToolPlan,
     history_for_template,
@@ -62,6 +64,8 @@ def _sse(payload: Any) -> bytes:
 
 
 _SSE_DONE = b"data: [DONE]\n\n"
+# /health_generate answers 503 when its one token takes longer than this (a stuck worker)
+HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 # ---------------------------------------------------------------------------------------------
 # running generations
@@ -398,6 +402,15 @@ class _Api:
             raise ApiError("the prompt is empty", param="messages")
         return ids
 
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt as text (echo): as sent, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.manager.tokenizer
+        if tokenizer is None:
+            return ""
+        return tokenizer.decode(prompt, skip_special_tokens=False)
+
     def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, list):
             return prompt
@@ -491,11 +504,9 @@ class _Api:
         req: P.CompletionRequest = await self.decode(request, P.CompletionRequest)
         limits = self.limits
         P.check_model(req.model, limits)
-        if req.echo:
-            raise ApiError("echo is not supported", param="echo", code="unsupported_value")
         if req.suffix:
             raise ApiError("suffix is not supported", param="suffix", code="unsupported_value")
-        max_tokens, max_param = P.openai_max_tokens(req)
+        max_tokens, max_param = P.openai_max_tokens(req, minimum=0 if req.echo else 1)
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_TOP_LOGPROBS:
             raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
         stop = P.normalize_stop(req.stop)
@@ -505,9 +516,12 @@ class _Api:
         P.check_n(req.n, len(prompts))
         rid = P.new_id("cmpl")
         inputs = []
+        echo_prompts: list[str] | None = [] if req.echo else None
         for p_index, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
             ids = self.prompt_ids(prompt, param)
+            if echo_prompts is not None:
+                echo_prompts += [self.prompt_text(prompt)] * req.n
             max_new = P.resolve_max_new_tokens(
                 len(ids), max_tokens, limits, param=max_param, prompt_param=param
             )
@@ -522,6 +536,8 @@ class _Api:
                         stream=req.stream,
                         return_logprob=req.logprobs is not None,
                         top_logprobs_num=req.logprobs or 0,
+                        # echo + logprobs: every prompt token's logprob (and top alternatives)
+                        logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
                         skip_special_tokens=req.skip_special_tokens,
                         cache_namespace=namespace,
                     )
@@ -533,6 +549,7 @@ class _Api:
             logprobs=req.logprobs,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             token_text=P.TokenText(self.manager.tokenizer),
+            echo_prompts=echo_prompts,
         )
         return await self.respond(request, inputs, renderer, req.stream)
 
@@ -622,6 +639,34 @@ class _Api:
             raise ApiError("rids must be unique and non-empty", param="rid")
         return list(rid)
 
+    # --- readiness
+
+    async def health_generate(self, request: Request) -> Response:
+        """SGLang's readiness probe: one token through the whole pipeline (tokenizer, scheduler,
+        worker). 200 once it comes back; 503 when the server is not serving or the token does
+        not come within HEALTH_GENERATE_TIMEOUT_S."""
+        self.check_serving()
+        tokenizer = self.manager.tokenizer
+        ids = list(tokenizer.encode("Hi", add_special_tokens=False)) if tokenizer else []
+        inp = P.GenerateInput(
+            rid=P.new_id("health"),
+            input_ids=ids or [1],
+            sampling=P.SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
+        run = _Run(self.manager, [inp])
+        try:
+            await asyncio.wait_for(
+                _unless_disconnected(request, run.collect()), HEALTH_GENERATE_TIMEOUT_S
+            )
+        except _ClientGone:
+            return Response(status_code=499)
+        except (TimeoutError, GenerationError) as exc:
+            message = str(exc) or f"no token within {HEALTH_GENERATE_TIMEOUT_S} s"
+            raise ApiError(f"generation failed: {message}", status=503, code="unhealthy") from None
+        finally:
+            run.close()
+        return json_response({"status": "ok"})
+
     # --- info
 
     def model_card(self) -> dict:
@@ -653,16 +698,27 @@ class _Api:
 def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = None) -> FastAPI:
     """The ASGI app. ``lifespan`` (FastAPI's async context manager factory) lets the caller start
     and stop background work (e.g. the manager's receive loop) on uvicorn's event loop."""
+    docs = not args.disable_docs
     app = FastAPI(
-        title="radix_runtime", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        title="radix_runtime",
+        docs_url="/docs" if docs else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
+        lifespan=lifespan,
     )
     install_error_handlers(app)
     api = _Api(manager, args)
     app.state.api = api
 
-    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
-    app.add_api_route("/generate", api.generate, methods=["POST"])
+    for path, route in (
+        ("/v1/chat/completions", api.chat_completions),
+        ("/v1/completions", api.completions),
+        ("/generate", api.generate),
+    ):
+        extra = route_openapi(path) if docs else None
+        app.add_api_route(path, route, methods=["POST"], openapi_extra=extra)
+    if docs:
+        install_openapi(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -671,6 +727,9 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         if manager.draining:
             raise ApiError("the server is shutting down", status=503, code="draining")
         return json_response({"status": "ok"})
+
+    app.add_api_route("/health_generate", api.health_generate, methods=["GET"])
+    install_tokenize_routes(app, api)
 
     @app.get("/v1/models")
     async def models() -> Response:

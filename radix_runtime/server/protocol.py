@@ -82,6 +82,8 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     output_logprobs: list[float] = []  # one per id in ``ids`` (when return_logprob)
     output_top_logprobs: list[list[tuple[int, float]]] | None = None  # per id: [(id, logprob)]
     prompt_logprobs: list[float] | None = None
+    # with top_logprobs_num > 0: the top alternatives of each of those prompt positions
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -245,11 +247,44 @@ def decode_request(body: bytes, type_: type) -> Any:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise from_msgspec_error(exc) from None
+        return _decode_with_whole_number_floats(body, type_, exc)
     except msgspec.DecodeError as exc:
         raise ApiError(f"invalid JSON body: {exc}", code="invalid_json") from None
     except RecursionError:
         raise ApiError("invalid JSON body: nested too deeply", code="invalid_json") from None
+
+
+# objects whose scalar fields are request knobs, as the top level's are
+_KNOB_OBJECTS = ("sampling_params", "stream_options")
+
+
+def _whole_floats_to_ints(obj: dict) -> bool:
+    """Rewrite whole-number floats (``4.0``) among the scalar knobs of a decoded request as ints;
+    True if any was. Lists (token ids, stop ids) and other nested objects stay as sent."""
+    changed = False
+    for key, value in obj.items():
+        if isinstance(value, float) and value.is_integer():
+            obj[key] = int(value)
+            changed = True
+        elif key in _KNOB_OBJECTS and isinstance(value, dict):
+            changed |= _whole_floats_to_ints(value)
+    return changed
+
+
+def _decode_with_whole_number_floats(body: bytes, type_: type, error: Exception) -> Any:
+    """The slow path of a body the strict decode refused: OpenAI's and pydantic-based servers
+    take ``"max_tokens": 4.0`` for an integer field, so whole-number floats among the request's
+    knobs are read as ints and the body decoded again; anything else keeps its 400."""
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        obj = None
+    if not isinstance(obj, dict) or not _whole_floats_to_ints(obj):
+        raise from_msgspec_error(error) from None
+    try:
+        return msgspec.convert(obj, type_)
+    except msgspec.ValidationError as exc:
+        raise from_msgspec_error(exc) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,13 +526,14 @@ def check_n(n: int, num_prompts: int = 1) -> None:
         raise ApiError(f"at most {MAX_BATCH} generations per request (prompts x n)", param="n")
 
 
-def openai_max_tokens(req: _OpenAIRequest) -> tuple[int | None, str]:
-    """The requested completion budget and the field it came from (validated >= 1)."""
+def openai_max_tokens(req: _OpenAIRequest, minimum: int = 1) -> tuple[int | None, str]:
+    """The requested completion budget and the field it came from (validated >= minimum: 0 for
+    an echoed completion, which scores the prompt alone)."""
     value, param = req.max_tokens, "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         value, param = req.max_completion_tokens, "max_completion_tokens"
-    if value is not None and value < 1:
-        raise ApiError(f"{param} must be at least 1, got {value}", param=param)
+    if value is not None and value < minimum:
+        raise ApiError(f"{param} must be at least {minimum}, got {value}", param=param)
     return value, param
 
 
@@ -659,6 +695,7 @@ class ChoiceState:
         "logprobs",
         "top_logprobs",
         "prompt_logprobs",
+        "prompt_top_logprobs",
         "finish_reason",
         "matched_stop",
         "completion_tokens",
@@ -674,6 +711,7 @@ class ChoiceState:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
         self.finish_reason: str | None = None
         self.matched_stop: int | str | None = None
         self.completion_tokens = 0
@@ -688,6 +726,7 @@ class ChoiceState:
             self.top_logprobs.extend(chunk.output_top_logprobs)
         if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
+            self.prompt_top_logprobs = chunk.prompt_top_logprobs
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             self.matched_stop = chunk.matched_stop
@@ -826,6 +865,8 @@ def native_output(state: ChoiceState, inp: GenerateInput) -> dict:
             ]
         if inp.logprob_start_len >= 0:
             meta["input_token_logprobs"] = _input_logprobs(state, inp.logprob_start_len)
+            if inp.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = _input_top_logprobs(state, inp.logprob_start_len)
     return {"text": state.full_text, "output_ids": list(state.ids), "meta_info": meta}
 
 
@@ -840,6 +881,18 @@ def _input_logprobs(state: ChoiceState, start: int) -> list[list]:
         k = pos - first_known
         out.append([values[k] if k >= 0 else None, ids[pos]])
     return out
+
+
+def _input_top_logprobs(state: ChoiceState, start: int) -> list[list | None]:
+    """[[logprob, id] of the top alternatives] (None where unknown) per prompt position >= start,
+    aligned like _input_logprobs."""
+    ids = state.input_ids
+    tops = state.prompt_top_logprobs or []
+    first_known = len(ids) - len(tops)
+    return [
+        [[lp, tok] for tok, lp in tops[pos - first_known]] if pos >= first_known else None
+        for pos in range(start, len(ids))
+    ]
 
 
 def choice_sampling(base: SamplingParams, max_new_tokens: int, index: int) -> SamplingParams:
@@ -1027,6 +1080,11 @@ def _tool_finish(reason: str | None) -> str | None:
 
 
 class CompletionRenderer:
+    """/v1/completions. With ``echo`` (one prompt text per choice in ``echo_prompts``) each
+    choice's text starts with its prompt, and with ``logprobs`` its logprobs start with the
+    prompt's tokens, the first with a ``null`` logprob (nothing comes before it), as OpenAI and
+    vLLM return them: what lm-evaluation-harness's log-likelihood tasks read."""
+
     def __init__(
         self,
         *,
@@ -1036,6 +1094,7 @@ class CompletionRenderer:
         logprobs: int | None,
         include_usage: bool,
         token_text: TokenText,
+        echo_prompts: list[str] | None = None,
     ) -> None:
         self.id = id
         self.model = model
@@ -1044,6 +1103,8 @@ class CompletionRenderer:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.token_text = token_text
+        self.echo_prompts = echo_prompts
+        self._echoed: set[int] = set()
 
     def _logprobs(self, ids, logprobs, tops, offset: int) -> dict | None:
         if self.logprobs is None:
@@ -1052,23 +1113,66 @@ class CompletionRenderer:
             ids, logprobs, tops or [], self.token_text, offset, with_top=self.logprobs > 0
         )
 
+    def _echo(self, state: ChoiceState) -> tuple[str, dict | None]:
+        """The prompt's text and (with logprobs) its tokens' logprobs, once per choice."""
+        self._echoed.add(state.index)
+        text = self.echo_prompts[state.index]
+        if self.logprobs is None:
+            return text, None
+        ids = state.input_ids
+        values = state.prompt_logprobs or []
+        tops = state.prompt_top_logprobs or []
+        # positions 1.. have a logprob (the values cover the last len(values) positions)
+        lps: list[float | None] = [None] * (len(ids) - len(values)) + list(values)
+        tops_all = [None] * (len(ids) - len(tops)) + list(tops)
+        out = completion_logprobs(
+            ids, lps, [t or [] for t in tops_all], self.token_text, 0, self.logprobs > 0
+        )
+        if out["top_logprobs"] is not None:
+            out["top_logprobs"] = [
+                None if t is None else top for t, top in zip(tops_all, out["top_logprobs"])
+            ]
+        return text, out
+
+    def _choice_text_and_logprobs(
+        self, state: ChoiceState, text: str, ids, lps, tops, gen_offset: int
+    ) -> tuple[str, dict | None]:
+        """A choice's text and logprobs for generated `text` starting at `gen_offset` of the
+        generated text; the echoed prompt goes in front of the choice's first."""
+        prefix, prompt_lps = "", None
+        if self.echo_prompts is not None and state.index not in self._echoed:
+            prefix, prompt_lps = self._echo(state)
+        echoed = len(self.echo_prompts[state.index]) if self.echo_prompts is not None else 0
+        gen = self._logprobs(ids, lps, tops, echoed + gen_offset)
+        if prompt_lps is not None and gen is not None:
+            for key in ("tokens", "token_logprobs", "text_offset"):
+                gen[key] = prompt_lps[key] + gen[key]
+            if gen["top_logprobs"] is not None:
+                gen["top_logprobs"] = prompt_lps["top_logprobs"] + gen["top_logprobs"]
+        return prefix + text, gen
+
     def response(self, states: list[ChoiceState]) -> dict:
+        choices = []
+        for s in states:
+            text, logprobs = self._choice_text_and_logprobs(
+                s, s.full_text, s.ids, s.logprobs, s.top_logprobs, 0
+            )
+            choices.append(
+                {
+                    "index": s.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": s.finish_reason,
+                    "matched_stop": s.matched_stop,
+                }
+            )
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": s.index,
-                    "text": s.full_text,
-                    "logprobs": self._logprobs(s.ids, s.logprobs, s.top_logprobs, 0),
-                    "finish_reason": s.finish_reason,
-                    "matched_stop": s.matched_stop,
-                }
-                for s in states
-            ],
+            "choices": choices,
             "usage": usage(states, self.n),
         }
 
@@ -1087,15 +1191,17 @@ class CompletionRenderer:
 
     def stream_chunk(self, state: ChoiceState, chunk: GenerateChunk) -> list[dict]:
         has_logprobs = self.logprobs is not None and chunk.ids
-        if not (chunk.text or chunk.finish_reason is not None or has_logprobs):
+        echo = self.echo_prompts is not None and state.index not in self._echoed
+        if not (chunk.text or chunk.finish_reason is not None or has_logprobs or echo):
             return []
         offset = len(state.full_text) - len(chunk.text)
+        text, logprobs = self._choice_text_and_logprobs(
+            state, chunk.text, chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs, offset
+        )
         choice = {
             "index": state.index,
-            "text": chunk.text,
-            "logprobs": self._logprobs(
-                chunk.ids, chunk.output_logprobs, chunk.output_top_logprobs, offset
-            ),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": chunk.finish_reason,
         }
         if chunk.finish_reason is not None:

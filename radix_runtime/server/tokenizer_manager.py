@@ -31,6 +31,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class _HeldToken:
+    """An output token and where its text lies in the detokenized output ([start, end))."""
+
+    id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None
+    start: int
+    end: int
+
+
+@dataclass
 class _ReqState:
     inp: GenerateInput
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -229,9 +240,17 @@ class TokenizerManager:
             if self.tokenizer is not None
             else None  # dummy weights without a tokenizer: token ids only
         )
-        stops = StopMatcher(inp.stop) if inp.stop else None
+        # (without a tokenizer there is no text for a stop string to match)
+        stops = StopMatcher(inp.stop) if inp.stop and detok is not None else None
         completion_tokens = 0
         prompt_lps: list[float] = []
+        prompt_tops: list[list[tuple[int, float]]] = []
+        # Output tokens whose text the stop matcher still holds back wait with it, so that the
+        # tokens of a stop string it trims never reach completion_tokens or the logprobs, and a
+        # stream reports what the non-streamed response does. Offsets count characters of the
+        # detokenized output: `produced` so far, `emitted` of them released by the matcher.
+        held: list[_HeldToken] = []
+        produced = emitted = 0
         while True:
             out: m.ReqOutput = await state.queue.get()
             if out.error is not None:
@@ -242,28 +261,79 @@ class TokenizerManager:
             ids = m.unpack_ids(out.new_ids).tolist() if out.new_ids else []
             if out.prompt_logprobs:
                 prompt_lps.extend(m.unpack_floats(out.prompt_logprobs).tolist())
+                if out.prompt_top_ids and inp.top_logprobs_num:
+                    k = inp.top_logprobs_num
+                    tids = m.unpack_ids(out.prompt_top_ids).reshape(-1, k).tolist()
+                    tlps = m.unpack_floats(out.prompt_top_logprobs).reshape(-1, k).tolist()
+                    prompt_tops.extend(list(zip(a, b)) for a, b in zip(tids, tlps))
             finish = out.finish_reason
             matched = out.matched_stop
+            lps: list[float] = []
+            tops: list[list[tuple[int, float]]] | None = None
+            if inp.return_logprob and out.output_logprobs:
+                lps = m.unpack_floats(out.output_logprobs).tolist()
+                if inp.top_logprobs_num and out.top_ids:
+                    k = inp.top_logprobs_num
+                    tids = m.unpack_ids(out.top_ids).reshape(-1, k)
+                    tlps = m.unpack_floats(out.top_logprobs).reshape(-1, k)
+                    tops = [
+                        list(zip(r_ids.tolist(), r_lps.tolist()))
+                        for r_ids, r_lps in zip(tids, tlps)
+                    ]
             # the stop token itself is not part of the text
-            visible = ids[:-1] if finish == "stop" and matched is not None and ids else ids
+            n_visible = (
+                len(ids) - 1 if finish == "stop" and matched is not None and ids else len(ids)
+            )
             text = ""
-            if detok is not None:
-                text = detok.add(visible) if visible else ""
-                if finish is not None:
-                    text += detok.flush()
-            completion_tokens += len(ids)
+            for i, tok in enumerate(ids):
+                start = produced
+                if detok is not None and i < n_visible:
+                    delta = detok.add([tok])
+                    text += delta
+                    produced += len(delta)
+                held.append(
+                    _HeldToken(
+                        tok,
+                        lps[i] if i < len(lps) else None,
+                        tops[i] if tops is not None and i < len(tops) else None,
+                        start,
+                        produced,
+                    )
+                )
+            if detok is not None and finish is not None:
+                delta = detok.flush()
+                text += delta
+                produced += len(delta)
             if stops is not None:
                 text, stopped = stops.feed(text)
+                emitted += len(text)
                 if stopped and finish is None:
                     finish, matched = "stop", stops.matched
                     state.finished = True
                     await self._send(m.AbortReq(rid=rid))
                 elif finish is not None and not stopped:
-                    text += stops.flush()
+                    flushed = stops.flush()
+                    text += flushed
+                    emitted += len(flushed)
+                if stopped:
+                    # NOTE: the tokens of a trimmed stop string (and after it) are dropped: not
+                    # counted, no logprobs; a token with any character in the text is kept
+                    held = [t for t in held if t.start < emitted]
+                    released, held = held, []
+                elif finish is not None:
+                    released, held = held, []
+                else:
+                    # a token whose text is all held back (it may start a stop string) waits
+                    cut = next((j for j, t in enumerate(held) if t.start >= emitted), len(held))
+                    released, held = held[:cut], held[cut:]
+            else:
+                released, held = held, []
+            completion_tokens += len(released)
             if finish is not None:
                 state.finished = True
                 if self.metrics is not None:
                     self.metrics.on_finish(state.timing, finish)
+            ids = [t.id for t in released]
             chunk = GenerateChunk(
                 text=text,
                 ids=ids,
@@ -273,18 +343,14 @@ class TokenizerManager:
                 completion_tokens=completion_tokens,
                 cached_tokens=out.cached_tokens,
             )
-            if inp.return_logprob and out.output_logprobs:
-                chunk.output_logprobs = m.unpack_floats(out.output_logprobs).tolist()
-                if inp.top_logprobs_num and out.top_ids:
-                    k = inp.top_logprobs_num
-                    tids = m.unpack_ids(out.top_ids).reshape(-1, k)
-                    tlps = m.unpack_floats(out.top_logprobs).reshape(-1, k)
-                    chunk.output_top_logprobs = [
-                        list(zip(r_ids.tolist(), r_lps.tolist()))
-                        for r_ids, r_lps in zip(tids, tlps)
-                    ]
+            if inp.return_logprob and any(t.logprob is not None for t in released):
+                chunk.output_logprobs = [t.logprob for t in released]
+                if inp.top_logprobs_num:
+                    chunk.output_top_logprobs = [t.top or [] for t in released]
             if prompt_lps and (finish is not None or ids):
                 chunk.prompt_logprobs, prompt_lps = prompt_lps, []
+                if prompt_tops:
+                    chunk.prompt_top_logprobs, prompt_tops = prompt_tops, []
             if ids or text or finish is not None or chunk.prompt_logprobs:
                 yield chunk
             if finish is not None:

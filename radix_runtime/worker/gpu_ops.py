@@ -408,6 +408,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
+def project(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """A decoder projection: `linear` for a plain layer, the layer's own forward for a
+    quantized one (worker/quant.py's Fp8Linear, which has a `weight_scale`)."""
+    if hasattr(layer, "weight_scale"):
+        return layer(x)
+    return linear(x, layer.weight, layer.bias)
+
+
 def gemv_torch(
     x: torch.Tensor,
     weight: torch.Tensor,

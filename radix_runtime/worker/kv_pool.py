@@ -3,6 +3,12 @@
 Page 0 is reserved: the scheduler never hands it out, so backends may use it as padding.
 A token's *cache location* is ``page * page_size + offset``: an index into the flat
 [num_pages * page_size, kv_heads, head_dim] view of a layer's buffer.
+
+The pool's element type (`dtype`) is the model's activation dtype (`act_dtype`), or FP8 e4m3
+(`--kv-cache-dtype fp8_e4m3`): each layer's K and V then carry one float scale each
+(`k_scales`/`v_scales`, from the checkpoint or 1.0): stored = clamp(x / scale) in FP8,
+read = stored * scale. A tier that copies pages (a host pool) allocates the same `dtype` and
+copies the bytes; the scales stay with the layers.
 """
 
 from __future__ import annotations
@@ -18,6 +24,17 @@ CPU_POOL_MEMORY_FRACTION = 0.2  # of available RAM
 CPU_POOL_MAX_TOKENS = 65536
 # on CUDA, room left for activations, logits and CUDA graphs after the static fraction
 CUDA_ACTIVATION_HEADROOM_BYTES = 2 << 30
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # the largest finite e4m3fn value; stores clamp to it (no inf in e4m3fn)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, act_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype -> the pool's element type."""
+    if kv_cache_dtype == "fp8_e4m3":
+        return FP8_KV_DTYPE
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}")
+    return act_dtype
 
 
 class KVPool:
@@ -30,6 +47,8 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        act_dtype: torch.dtype | None = None,
+        kv_scales: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved)")
@@ -39,10 +58,24 @@ class KVPool:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.act_dtype = dtype if act_dtype is None else act_dtype
         self.device = device
+        # per layer (k_scale, v_scale); used only when the pool is FP8
+        scales = kv_scales or {}
+        self.k_scales = [float(scales.get(i, (1.0, 1.0))[0]) for i in range(num_layers)]
+        self.v_scales = [float(scales.get(i, (1.0, 1.0))[1]) for i in range(num_layers)]
         shape = (num_pages, page_size, kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8_KV_DTYPE
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The --kv-cache-dtype spelling of the element type (what /get_server_info reports)."""
+        return "fp8_e4m3" if self.is_fp8 else str(self.dtype).removeprefix("torch.")
 
     @property
     def num_slots(self) -> int:
@@ -59,12 +92,29 @@ class KVPool:
         self, layer_id: int, cache_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Write K/V of shape [n, kv_heads, head_dim] at the flat locations `cache_loc` [n]."""
+        if self.is_fp8:
+            k = quantize_fp8(k, self.k_scales[layer_id])
+            v = quantize_fp8(v, self.v_scales[layer_id])
         self.k_flat(layer_id)[cache_loc] = k.to(self.dtype)
         self.v_flat(layer_id)[cache_loc] = v.to(self.dtype)
+
+    def dequantize(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V rows read from this pool -> `act_dtype` values (FP8: times the layer's scales)."""
+        if not self.is_fp8:
+            return k.to(self.act_dtype), v.to(self.act_dtype)
+        k = k.to(self.act_dtype) * self.k_scales[layer_id]
+        return k, v.to(self.act_dtype) * self.v_scales[layer_id]
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale in FP8 e4m3, clamped to the finite range (a plain cast turns overflow into NaN)."""
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
 
 
 def available_cpu_memory() -> int:

@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.model_source import ModelSource, resolve_model
-from radix_runtime.worker import gguf_format
-from radix_runtime.worker.model_config import ModelConfig, load_hf_config
+from radix_runtime.worker import gguf_format, quant
+from radix_runtime.worker.model_config import ModelConfig, UnsupportedModel, load_hf_config
 from radix_runtime.worker.models.llama import LlamaForCausalLM, fuse_checkpoint
 from radix_runtime.worker.models.registry import build_model
 
@@ -46,6 +46,9 @@ class LoadedModel:
     model: LlamaForCausalLM
     load_s: float
     cache_hit: bool | None = None  # GGUF only: whether the converted cache was used
+    # per layer (k_scale, v_scale) an FP8 checkpoint carries for an FP8 KV cache
+    kv_scales: dict[int, tuple[float, float]] | None = None
+    quantization: str = "none"  # the weights: none | fp8 | awq | gptq (worker/quant.py)
 
 
 def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -57,6 +60,8 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
         )
     t0 = time.perf_counter()
     cache_hit = None
+    kv_scales: dict[int, list[float]] = {}
+    quantization = "none"
     if source.kind == "dummy":
         config = load_hf_config(source.path)
         model = build_model(config, device, dtype)
@@ -65,18 +70,34 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
         config = load_hf_config(source.path)
         model = build_model(config, device, dtype)
         files = safetensors_files(source.path)
-        model.load_weights(
-            _progress(iter_safetensors(files), "loading weights", _count_keys(files))
-        )
+        weights = _progress(iter_safetensors(files), "loading weights", _count_keys(files))
+        scheme = config.quantization or {"method": "none"}
+        if scheme["method"] != "none" and args.quantization not in ("none", scheme["method"]):
+            raise UnsupportedModel(
+                f"--quantization {args.quantization} on a checkpoint already quantized with "
+                f"{scheme['method']}"
+            )
+        if scheme["method"] == "fp8":
+            quant.use_fp8_layers(model, device)
+            weights = quant.fp8_checkpoint(weights, kv_scales)
+        elif scheme["method"] in ("awq", "gptq"):
+            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales)
+            quantization = scheme["method"]
+        model.load_weights(weights)
     elif source.kind == "gguf":
         config, weights, total, cache_hit = gguf_checkpoint(source.path)
         model = build_model(config, device, dtype)
         model.load_weights(_progress(weights, "loading weights", total))
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
+    if args.quantization == "fp8" and model.quantization == "none":
+        quant.quantize_model_fp8(model)
+    if model.quantization != "none":
+        quantization = model.quantization
     load_s = time.perf_counter() - t0
-    logger.info("loaded %s (%s) in %.2fs", source.name, source.kind, load_s)
-    return LoadedModel(source, config, model, load_s, cache_hit)
+    logger.info("loaded %s (%s, weights %s) in %.2fs", source.name, source.kind, quantization, load_s)  # fmt: skip
+    scales = {i: (k, v) for i, (k, v) in kv_scales.items()} or None
+    return LoadedModel(source, config, model, load_s, cache_hit, scales, quantization)
 
 
 def _progress(it: Iterable, desc: str, total: int | None) -> Iterable:

@@ -46,6 +46,25 @@ _REFUSED_ROPE = {
 }
 
 
+# Gemma3TextConfig's defaults (transformers), for the fields a config.json may leave out
+_GEMMA3_DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+}
+
+
 class UnsupportedModel(ValueError):
     """A checkpoint whose architecture or configuration we do not implement."""
 
@@ -84,6 +103,8 @@ class ModelConfig:
     # Gemma 3's local (sliding) layers: their own RoPE base, and scaling (None = plain)
     rope_local_theta: float | None = None
     rope_local_scaling: dict[str, Any] | None = None
+    # the checkpoint's weight quantization (model_config.quant_scheme): None = unquantized
+    quantization: dict[str, Any] | None = None
 
     @property
     def q_size(self) -> int:
@@ -226,19 +247,118 @@ def _check_common(cfg: dict[str, Any]) -> None:
     if cfg.get("mlp_bias"):
         raise UnsupportedModel("mlp_bias = true is not supported")
     if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise UnsupportedModel(
-            f"quantization_config (quant_method {method!r}) is not supported: give an "
-            "unquantized folder, or a GGUF file"
+        quant_scheme(cfg["quantization_config"])
+
+
+# quant_method values we load (worker/quant.py); anything else is refused by name
+SUPPORTED_QUANT_METHODS = ("fp8", "compressed-tensors (FP8)", "awq", "gptq")
+
+
+def _refuse_quant(what: str) -> UnsupportedModel:
+    return UnsupportedModel(
+        f"quantization_config: {what} is not supported (supported: "
+        f"{', '.join(SUPPORTED_QUANT_METHODS)}; docs/quantization.md)"
+    )
+
+
+def quant_scheme(q: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's `quantization_config` -> {"method": fp8 | awq | gptq, ...}, or
+    UnsupportedModel naming the field we do not implement."""
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("weight_block_size"):
+            raise _refuse_quant(
+                f"fp8 weight_block_size = {q['weight_block_size']!r} (block-wise FP8)"
+            )
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise _refuse_quant(f"fp8 fmt = {q['fmt']!r}")
+        if q.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+            raise _refuse_quant(f"fp8 activation_scheme = {q['activation_scheme']!r}")
+        _only_lm_head(q.get("modules_to_not_convert") or q.get("ignored_layers"), "fp8")
+        return {"method": "fp8"}
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
+    if method == "awq":
+        bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size"))
+        version = str(q.get("version", "gemm")).lower()
+        if bits != 4:
+            raise _refuse_quant(f"awq bits = {bits!r} (4 is)")
+        if version != "gemm":
+            raise _refuse_quant(f"awq version = {q.get('version')!r} (the GEMM layout is)")
+        if not q.get("zero_point", True):
+            raise _refuse_quant("awq zero_point = false")
+        if not isinstance(group, int) or group <= 0:
+            raise _refuse_quant(f"awq group_size = {group!r}")
+        _only_lm_head(q.get("modules_to_not_convert"), "awq")
+        return {"method": "awq", "group_size": group}
+    if method == "gptq":
+        bits, group = q.get("bits"), q.get("group_size", 128)
+        if bits != 4:
+            raise _refuse_quant(f"gptq bits = {bits!r} (4 is)")
+        if q.get("desc_act"):
+            raise _refuse_quant(
+                "gptq desc_act = true (activation-order groups: g_idx reorders the input rows)"
+            )
+        fmt = q.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise _refuse_quant(f"gptq checkpoint_format = {fmt!r}")
+        if not isinstance(group, int) or (group <= 0 and group != -1):
+            raise _refuse_quant(f"gptq group_size = {group!r}")
+        return {"method": "gptq", "group_size": group, "zero_offset": 1 if fmt == "gptq" else 0}
+    raise _refuse_quant(f"quant_method = {method!r}")
+
+
+def _only_lm_head(modules: Any, where: str) -> None:
+    extra = [x for x in (modules or []) if x != "lm_head"]
+    if extra:
+        raise _refuse_quant(f"{where} unquantized modules {extra[:4]!r} (only lm_head may be)")
+
+
+def _compressed_tensors(q: dict[str, Any]) -> dict[str, Any]:
+    """compressed-tensors as llm-compressor writes FP8 (W8A8 float, per tensor or channel)."""
+    groups = q.get("config_groups") or {}
+    fmt = q.get("format")
+    if len(groups) != 1:
+        raise _refuse_quant(f"compressed-tensors with {len(groups)} config_groups (one is)")
+    group = next(iter(groups.values()))
+    w = group.get("weights") or {}
+    a = group.get("input_activations")
+    desc = f"compressed-tensors weights num_bits {w.get('num_bits')} type {w.get('type')!r} "         f"strategy {w.get('strategy')!r} (format {fmt!r})"  # fmt: skip
+    if not (
+        w.get("num_bits") == 8
+        and w.get("type") == "float"
+        and w.get("strategy") in ("tensor", "channel")
+        and w.get("symmetric", True)
+        and fmt in ("float-quantized", "naive-quantized", None)
+    ):
+        raise _refuse_quant(desc)
+    if a is not None and not (a.get("num_bits") == 8 and a.get("type") == "float"):
+        raise _refuse_quant(
+            f"compressed-tensors input_activations num_bits {a.get('num_bits')} "
+            f"type {a.get('type')!r}"
         )
+    if group.get("output_activations"):
+        raise _refuse_quant("compressed-tensors output_activations")
+    if group.get("targets", ["Linear"]) != ["Linear"]:
+        raise _refuse_quant(f"compressed-tensors targets {group.get('targets')!r}")
+    _only_lm_head(q.get("ignore"), "compressed-tensors")
+    kv = q.get("kv_cache_scheme")
+    if kv is not None and not (kv.get("num_bits") == 8 and kv.get("type") == "float"):
+        raise _refuse_quant(f"compressed-tensors kv_cache_scheme {kv!r}")
+    return {"method": "fp8"}
 
 
 def config_from_hf_dict(cfg: dict[str, Any], extra_eos: list[int] | None = None) -> ModelConfig:
     family, model_type = resolve_architecture(cfg)
     eos = _as_id_list(cfg.get("eos_token_id"))
+    qcfg = cfg.get("quantization_config")  # top level, also for a multimodal wrapper
+    if qcfg:
+        quant_scheme(qcfg)
     if family == "gemma3" and "text_config" in cfg:  # the multimodal wrapper: its text model
         eos = eos or _as_id_list(cfg["text_config"].get("eos_token_id"))
         cfg = {"model_type": "gemma3_text", **cfg["text_config"]}
+    if family == "gemma3":  # released text_configs leave some fields at transformers' defaults
+        cfg = {**_GEMMA3_DEFAULTS, **cfg}
     _check_common(cfg)
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
@@ -279,6 +399,7 @@ def config_from_hf_dict(cfg: dict[str, Any], extra_eos: list[int] | None = None)
         layer_windows=_layer_windows(cfg, model_type, num_layers),
         qk_norm=family in ("qwen3", "gemma3"),
         hidden_act="gelu_pytorch_tanh" if family == "gemma3" else "silu",
+        quantization=quant_scheme(qcfg) if qcfg else None,
         **extra,
     )
 

@@ -34,7 +34,7 @@ from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.host_copy import to_device
-from radix_runtime.worker.kv_pool import KVPool, num_pages_for
+from radix_runtime.worker.kv_pool import KVPool, kv_storage_dtype, num_pages_for
 from radix_runtime.worker.loader import load_model
 from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
 
@@ -98,6 +98,8 @@ class ModelRunner:
         loaded = load_model(args, self.device, self.dtype)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.model_name = loaded.source.name
+        self.kv_scales = loaded.kv_scales  # per layer (k, v) from the checkpoint, for an FP8 pool
+        self.quantization = loaded.quantization
         self._no_grammar: list[m.GrammarCompiled] = []
         c = self.config
         self.page_size = args.page_size
@@ -225,7 +227,8 @@ class ModelRunner:
 
     def _allocate_kv_pool(self) -> KVPool:
         c, args = self.config, self.args
-        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         num_pages = num_pages_for(
             args.max_total_tokens, self.page_size, self.device, per_token, args.mem_fraction_static
         )
@@ -238,8 +241,10 @@ class ModelRunner:
             self.page_size,
             c.num_kv_heads,
             c.head_dim,
-            self.dtype,
+            kv_dtype,
             self.device,
+            act_dtype=self.dtype,
+            kv_scales=self.kv_scales if kv_dtype != self.dtype else None,
         )
 
     def ready_info(self) -> m.WorkerReady:
@@ -252,6 +257,8 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.attn.name,
+            kv_cache_dtype=self.kv_pool.kv_cache_dtype,
+            quantization=self.quantization,
         )
 
     def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
@@ -297,7 +304,7 @@ class ModelRunner:
             fetch.extend(out.tensors())
         pending.prompt_rows = [i for i, r in enumerate(reqs) if r.prompt_logprobs]
         for i in pending.prompt_rows:
-            fetch.append(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
+            fetch.extend(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
         pending.host, pending.event = self._copy_to_host(fetch)
         if sampled:  # host[0]: the sampled ids (a grammar accepts its token from there)
             self.sampler.note_sampled(slots, batch.step, pending.host[0], pending.event)
@@ -329,8 +336,15 @@ class ModelRunner:
                 if pending.reqs[i].top_logprobs_num > 0:
                     res.top_ids = m.pack_ids(out.top_ids[j])
                     res.top_logprobs = m.pack_floats(out.top_logprobs[j])
-        for i, lps in zip(pending.prompt_rows or [], host[used:]):
+        for i in pending.prompt_rows or []:
+            lps = host[used]
             results[i].prompt_logprobs = m.pack_floats(lps.numpy().astype(np.float32))
+            used += 1
+            if pending.reqs[i].top_logprobs_num > 0:  # and the top-k of each position
+                top_vals, top_idx = host[used], host[used + 1]
+                results[i].prompt_top_logprobs = m.pack_floats(top_vals.numpy().reshape(-1))
+                results[i].prompt_top_ids = m.pack_ids(top_idx.numpy().reshape(-1))
+                used += 2
         forward_s = time.perf_counter() - pending.t0
         return m.ForwardResult(step=pending.step, results=results, forward_s=forward_s)
 
@@ -529,13 +543,21 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, r: m.ForwardReq, ids: np.ndarray, logits: torch.Tensor
-    ) -> torch.Tensor:
-        """logprob of input_ids[1:] (and next_token when known), each given everything before it
-        (float32, on the device)."""
+    ) -> list[torch.Tensor]:
+        """[logprob of input_ids[1:] (and next_token when known), each given everything before
+        it], and with r.top_logprobs_num = k > 0 also the top-k logprobs and ids of each of those
+        positions ([n, k] float32 and int32) (on the device)."""
         targets = ids[1:].astype(np.int64)
         if r.next_token >= 0:
             targets = np.append(targets, r.next_token)
+        k = r.top_logprobs_num
         if len(targets) == 0:
-            return torch.zeros(0, dtype=torch.float32, device=self.device)
+            empty = torch.zeros(0, dtype=torch.float32, device=self.device)
+            return [empty] if k <= 0 else [empty, empty.view(0, k), empty.view(0, k).int()]
         t = to_device(targets, torch.long, self.device)
-        return target_logprobs(logits[: len(targets)], t).float()
+        rows = logits[: len(targets)]
+        out = [target_logprobs(rows, t).float()]
+        if k > 0:
+            top = torch.log_softmax(rows.float(), dim=-1).topk(k, dim=-1)
+            out += [top.values, top.indices.int()]
+        return out

@@ -111,9 +111,9 @@ FEW_SHOT = [
 ] + [{"role": "user", "content": "What is the weather in Rome?"}]
 
 
-@pytest.mark.parametrize("messages", [FEW_SHOT, ASK], ids=["calls", "text"])
-def test_auto_stream_reassembles_to_the_non_stream_reply(client, model, messages):
-    kw = dict(model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=48)
+@pytest.mark.parametrize("messages, max_tokens", [(FEW_SHOT, 48), (ASK, 16)], ids=["calls", "text"])
+def test_auto_stream_reassembles_to_the_non_stream_reply(client, model, messages, max_tokens):
+    kw = dict(model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=max_tokens)
     whole = client.chat.completions.create(**kw).choices[0]
     content, calls, finish = reassemble(client.chat.completions.create(stream=True, **kw))
     assert content == whole.message.content

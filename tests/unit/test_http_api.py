@@ -38,7 +38,7 @@ class FakeTokenizer:
         ids = [ord(c) if ord(c) < VOCAB else 999 for c in text]
         return [BOS, *ids] if add_special_tokens else ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], **kw) -> str:
         return "".join(chr(i) for i in ids if i >= 3)
 
     def apply_chat_template(self, messages, add_generation_prompt=True, **kw) -> str:
@@ -95,6 +95,7 @@ class FakeManager:
                 prompt_tokens=len(req.input_ids),
                 cached_tokens=self.cached_tokens,
                 prompt_logprobs=self._prompt_logprobs(req),
+                prompt_top_logprobs=self._prompt_tops(req),
             )
             return
         for i, tok in enumerate(out_ids[:budget]):
@@ -121,6 +122,7 @@ class FakeManager:
                     ]
                 if i == 0:
                     chunk.prompt_logprobs = self._prompt_logprobs(req)
+                    chunk.prompt_top_logprobs = self._prompt_tops(req)
             yield chunk
             if self.hang_after_first:
                 await asyncio.Event().wait()
@@ -132,6 +134,17 @@ class FakeManager:
         if req.logprob_start_len < 0:
             return None
         return [-1.0] * (len(req.input_ids) - max(req.logprob_start_len, 1))
+
+    @staticmethod
+    def _prompt_tops(req: GenerateInput) -> list | None:
+        """Per prompt position: the actual token first (-1.0), then made-up alternatives."""
+        if req.logprob_start_len < 0 or not req.top_logprobs_num:
+            return None
+        first = max(req.logprob_start_len, 1)
+        return [
+            [(tok, -1.0)] + [(tok + k, -1.0 - k) for k in range(1, req.top_logprobs_num)]
+            for tok in req.input_ids[first:]
+        ]
 
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)
@@ -747,7 +760,6 @@ COMPLETION_BAD = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", None),
     ({"prompt": "x", "logprobs": 21}, "logprobs", None),
     ({"prompt": "x", "logprobs": True}, "logprobs", "invalid_type"),
-    ({"prompt": "x", "echo": True}, "echo", None),
     ({"prompt": "x", "suffix": "y"}, "suffix", None),
     ({"prompt": ["a"] * 100, "n": 16}, "n", None),
     ({"prompt": "x", "temperature": 3}, "temperature", None),

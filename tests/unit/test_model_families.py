@@ -571,3 +571,24 @@ def test_gemma3_template_refuses_non_alternating_roles():
 
     with pytest.raises(ValueError, match="must alternate"):
         render_chat(_GEMMA3_STYLE, [_CHAT[0], _CHAT[0]], True, {"bos_token": "<bos>"})
+
+
+def test_gemma3_text_config_defaults_match_transformers():
+    """A released multimodal config's text_config leaves fields at transformers' defaults."""
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+            "num_hidden_layers": 34, "sliding_window": 1024,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}  # fmt: skip
+    c = config_from_hf_dict(
+        {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+         "eos_token_id": [1, 106], "text_config": text}
+    )  # fmt: skip
+    hf = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    assert (c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps) == (
+        hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
+        hf.rms_norm_eps,
+    )  # fmt: skip
+    assert c.rope_theta == hf.rope_parameters["full_attention"]["rope_theta"]
+    assert c.rope_local_theta == hf.rope_parameters["sliding_attention"]["rope_theta"]
+    assert c.softmax_scale == hf.query_pre_attn_scalar**-0.5 and c.tie_word_embeddings
+    assert c.layer_windows == tuple(1024 if t == "sliding_attention" else 0 for t in hf.layer_types)
+    assert c.eos_token_ids == (1, 106)

@@ -156,6 +156,55 @@ def test_a_stop_string_trims_the_text_and_aborts_in_the_scheduler(tmp_path):
     run(main())
 
 
+def _lps(text: str, base: float) -> dict:
+    """Logprobs for the byte tokens of `text`: base, base - 1, ... (so each names its token)."""
+    n = len(text.encode())
+    return {"output_logprobs": m.pack_floats([base - i for i in range(n)])}
+
+
+@pytest.mark.parametrize("stream_cut", ["one E|ND two", "one |END two", "one EN|D| two"])
+def test_a_trimmed_stop_strings_tokens_are_not_counted_or_given_logprobs(tmp_path, stream_cut):
+    """However the scheduler's steps cut the text, the tokens of "END" and after are neither in
+    completion_tokens nor in the logprobs, and no chunk ever carries them (a stream and a
+    collected response agree)."""
+
+    async def main():
+        async with started(tmp_path) as (manager, sched):
+            gen = manager.generate(inp(stop=["END"], return_logprob=True))
+            task = asyncio.create_task(collect(gen))
+            await sched.recv_kind(m.GenerateReq)
+            base = 0.0
+            for part in stream_cut.split("|"):
+                await sched.out("r1", part, **_lps(part, base))
+                base -= len(part)
+            chunks = await asyncio.wait_for(task, TIMEOUT)
+            assert "".join(c.text for c in chunks) == "one "
+            assert [i for c in chunks for i in c.ids] == list(b"one ")
+            assert [lp for c in chunks for lp in c.output_logprobs] == [0.0, -1.0, -2.0, -3.0]
+            assert chunks[-1].completion_tokens == 4
+            assert chunks[-1].finish_reason == "stop"
+
+    run(main())
+
+
+def test_text_held_for_a_stop_string_that_never_completes_is_counted(tmp_path):
+    async def main():
+        async with started(tmp_path) as (manager, sched):
+            gen = manager.generate(inp(stop=["END"], return_logprob=True))
+            task = asyncio.create_task(collect(gen))
+            await sched.recv_kind(m.GenerateReq)
+            await sched.out("r1", "ab E", **_lps("ab E", 0.0))
+            await sched.out("r1", "N", **_lps("N", -4.0), finish_reason="length")
+            chunks = await asyncio.wait_for(task, TIMEOUT)
+            assert "".join(c.text for c in chunks) == "ab EN"
+            assert [lp for c in chunks for lp in c.output_logprobs] == [0.0, -1.0, -2.0, -3.0, -4.0]
+            assert chunks[-1].completion_tokens == 5
+            # the first chunk released "ab " with its three tokens, holding "E" back
+            assert chunks[0].ids == list(b"ab ")
+
+    run(main())
+
+
 def test_a_stop_token_is_not_part_of_the_text(tmp_path):
     async def main():
         async with started(tmp_path) as (manager, sched):

@@ -82,6 +82,10 @@ class FlashInferBackend(AttentionBackend):
         if self.layer_windows is not None:  # one kernel module for everything (see the top)
             self.tensor_cores = True
             self._prefill_backend = self.extend_graph_backend = "fa2"
+            # NOTE: FA2's graphed prefill fails on the H200 (cudaErrorInvalidAddressSpace in the
+            # capture's warm-up run; FA2 may add a split-KV pass that FA3 never has), so a
+            # windowed model's prefill steps run eagerly; its decode steps are still graphed
+            self.supports_extend_graph = False
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=self._prefill_backend
         )

@@ -69,6 +69,7 @@ _SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
+    _read: tuple[KVPool, int] | None = None  # (FP8 pool, layer) being read in this forward
 
     def plan(self, meta: AttentionMetadata) -> None:
         qo_lens = meta.qo_lens_cpu
@@ -117,6 +118,8 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         kv_pool.store(layer_id, self._out_cache_loc, k, v)
         k_all, v_all = kv_pool.k_flat(layer_id), kv_pool.v_flat(layer_id)
+        # an FP8 pool is read back through its scales (`_sdpa` dequantizes what it gathered)
+        self._read = (kv_pool, layer_id) if kv_pool.is_fp8 else None
         out = torch.empty_like(q)
         decode, prefills = self._plans[self.window(layer_id)]
         if decode is not None:
@@ -137,6 +140,8 @@ class TorchNativeBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """q [B, H, n, D]; k/v [B, L, Hkv, D] as gathered from the pool. Causal when mask is None."""
+        if self._read is not None:
+            k, v = self._read[0].dequantize(self._read[1], k, v)
         k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
         with sdpa_kernel(_SDPA_KERNELS):
             return F.scaled_dot_product_attention(

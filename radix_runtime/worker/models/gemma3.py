@@ -169,7 +169,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                     layer.input_layernorm.weight, eps,
                 )  # fmt: skip
             a, mlp = layer.self_attn, layer.mlp
-            qkv = ops.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+            qkv = ops.project(x, a.qkv_proj)
             cos, sin = rope[layer.local]
             q, k = ops.rotary_qk(
                 qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -177,13 +177,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             )  # fmt: skip
             v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
             out = attn.forward(a.layer_id, q, k, v, kv_pool).view(-1, c.q_size)
-            h = ops.linear(out, a.o_proj.weight, a.o_proj.bias)
+            h = ops.project(out, a.o_proj)
             x = ops.gemma_norm_add_norm(
                 h, residual, layer.post_attention_layernorm.weight,
                 layer.pre_feedforward_layernorm.weight, eps,
             )  # fmt: skip
-            gate_up = ops.linear(x, mlp.gate_up_proj.weight, None)
-            h = ops.linear(ops.gelu_tanh_and_mul(gate_up), mlp.down_proj.weight, None)
+            gate_up = ops.project(x, mlp.gate_up_proj)
+            h = ops.project(ops.gelu_tanh_and_mul(gate_up), mlp.down_proj)
         return ops.gemma_norm_add_norm(
             h, residual, layers[-1].post_feedforward_layernorm.weight, self.model.norm.weight, eps
         )

@@ -97,6 +97,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names mirror Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
 
+    # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers)
+    quantization = "none"
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -145,7 +148,8 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
-        if h.shape[0] == 1 and ops.ROW_FUSION and not (c.qkv_bias or c.o_bias):
+        row_ok = not (c.qkv_bias or c.o_bias) and self.quantization == "none"
+        if h.shape[0] == 1 and ops.ROW_FUSION and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
         x = ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
@@ -153,12 +157,12 @@ class LlamaForCausalLM(nn.Module):
             if i > 0:  # residual += h (the previous MLP's output); x = norm(residual)
                 x = ops.fused_add_rmsnorm(h, residual, layer.input_layernorm.weight, eps)
             a, mlp = layer.self_attn, layer.mlp
-            qkv = ops.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+            qkv = ops.project(x, a.qkv_proj)
             out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
-            h = ops.linear(out, a.o_proj.weight, a.o_proj.bias)
+            h = ops.project(out, a.o_proj)
             x = ops.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
-            gate_up = ops.linear(x, mlp.gate_up_proj.weight, None)
-            h = ops.linear(ops.silu_and_mul(gate_up), mlp.down_proj.weight, None)
+            gate_up = ops.project(x, mlp.gate_up_proj)
+            h = ops.project(ops.silu_and_mul(gate_up), mlp.down_proj)
         return ops.fused_add_rmsnorm(h, residual, self.model.norm.weight, eps)
 
     def _forward_row(
@@ -243,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
         self, param: nn.Parameter, shard: str | int | None, tensor: torch.Tensor, name: str
     ) -> None:
         dst = param.data[shard_rows(self.config, shard, param.shape[0])]
+        if name.endswith(".weight_scale") and tensor.numel() == 1 and dst.dim() == 1:
+            tensor = tensor.reshape(1).expand(dst.shape)  # a per-tensor FP8 scale, on every row
         if dst.shape != tensor.shape:
             raise ValueError(
                 f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(dst.shape)}"
@@ -300,12 +306,3 @@ def fuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, to
     for target, parts in shards.items():
         fused[target] = torch.cat([parts[s] for s in _shards_of(target)])
     return fused
-
-
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Allocate the parameters uninitialised on `device` (no init kernels, no CPU detour)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype)
-    model = model.to_empty(device=device)
-    model.requires_grad_(False)
-    return model.eval()

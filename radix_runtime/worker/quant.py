@@ -1,0 +1,248 @@
+"""Quantized weights: FP8 (W8A8) layers, and the readers of quantized checkpoints.
+
+Formats (the scheme comes from config.json's `quantization_config`, parsed and refused by name in
+model_config.py; `--quantization fp8` quantizes an unquantized checkpoint at load):
+
+- **FP8 W8A8** (`quant_method: fp8`, and compressed-tensors `float-quantized` 8-bit weights):
+  every projection inside the decoder layers becomes an `Fp8Linear`: e4m3 weights with one float32
+  scale per output row (a per-tensor checkpoint scale is repeated over its rows, which is exact;
+  the fused q/k/v and gate/up rows keep each shard's own scale), activations quantized per token
+  at run time (dynamic scales; a checkpoint's static `input_scale` is not used). CUDA runs
+  `torch._scaled_mm` (FP8 tensor cores, row-wise scales); elsewhere the weight is dequantized
+  once and each activation row goes through the same FP8 rounding, so the CPU computes what the
+  GPU computes up to accumulation order. lm_head and the embeddings stay unquantized (as vLLM's
+  FP8 does).
+- **int4 weight-only** (AWQ GEMM layout, GPTQ with desc_act false): dequantized to the model dtype
+  while loading (`dequantized_checkpoint`): the model then runs as an unquantized one.
+- FP8 KV scales a checkpoint carries (`self_attn.k_scale` / `v_scale`, or compressed-tensors'
+  `k_proj.output_scale` / `v_proj.output_scale`) are collected for an FP8 KV pool.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radix_runtime.worker.layers.linear import Linear
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# AutoAWQ packs 8 int4 values into an int32 along the output dim in this order: the value of
+# column 8*j + AWQ_ORDER[i] sits in bits [4i, 4i + 4) of qweight[:, j]
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_KV_SCALE = re.compile(
+    r"model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 W8A8
+
+
+def quantize_rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (e4m3 [N, K], float32 scale [N]) with each row's max at 448."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_(min=1e-12)
+    q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations -> (e4m3 [M, K], float32 scale [M, 1]): one dynamic scale per token."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b) with W in FP8 e4m3 (per-output-row scale) and x quantized per token."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8))
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self._dequantized: torch.Tensor | None = None  # the CPU path's weight, built once
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> Fp8Linear:
+        out_f, in_f = linear.weight.shape
+        bias = linear.bias is not None
+        with torch.device("meta"):
+            layer = cls(in_f, out_f, bias, linear.weight.dtype)
+        q, scale = quantize_rows_fp8(linear.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if bias:
+            layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.is_cuda:
+            out = fp8_linear_cuda(x2, self.weight, self.weight_scale, self.bias)
+        else:
+            if self._dequantized is None or self._dequantized.dtype != x.dtype:
+                self._dequantized = dequantize_rows(self.weight, self.weight_scale, x.dtype)
+            xq, xs = quantize_tokens_fp8(x2)
+            out = F.linear((xq.float() * xs).to(x.dtype), self._dequantized, self.bias)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def fp8_linear_cuda(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """FP8 tensor cores: row-wise scales on both sides (per token, per output channel)."""
+    xq, xs = quantize_tokens_fp8(x)
+    return torch._scaled_mm(
+        xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), bias=bias, out_dtype=x.dtype
+    )
+
+
+def decoder_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, layer) of every projection inside the decoder layers."""
+    out = []
+    for parent in model.model.layers.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, (Linear, Fp8Linear)):
+                out.append((parent, name, child))
+    return out
+
+
+def use_fp8_layers(model: nn.Module, device: torch.device) -> None:
+    """Before loading an FP8 checkpoint: every decoder projection becomes an empty Fp8Linear."""
+    for parent, name, layer in decoder_linears(model):
+        out_f, in_f = layer.weight.shape
+        with torch.device(device):
+            setattr(
+                parent, name, Fp8Linear(in_f, out_f, layer.bias is not None, layer.weight.dtype)
+            )
+    model.requires_grad_(False)
+    model.quantization = "fp8"
+
+
+def quantize_model_fp8(model: nn.Module) -> None:
+    """--quantization fp8: quantize every loaded decoder projection (per output row)."""
+    for parent, name, layer in decoder_linears(model):
+        if isinstance(layer, Linear):
+            setattr(parent, name, Fp8Linear.from_linear(layer))
+    model.quantization = "fp8"
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def fp8_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor]], kv_scales: dict[int, list[float]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's tensors as the Fp8Linear parameters want them: weight scales flattened
+    to one per row (a per-tensor scalar is repeated by the loader), static input scales dropped,
+    KV scales collected into `kv_scales`."""
+    for name, t in weights:
+        if _take_kv_scale(name, t, kv_scales):
+            continue
+        if name.endswith(".input_scale"):
+            continue  # activations get dynamic per-token scales
+        if name.endswith(".weight_scale") or name.endswith(".weight_scale_inv"):
+            name = name.removesuffix("_inv")
+            t = t.float().reshape(-1)
+        yield name, t
+
+
+def _take_kv_scale(name: str, t: torch.Tensor, kv_scales: dict[int, list[float]]) -> bool:
+    match = _KV_SCALE.match(name)
+    if match is None:
+        return False
+    layer, which = int(match.group(1)), match.group(2) or match.group(3)
+    kv_scales.setdefault(layer, [1.0, 1.0])[0 if which == "k" else 1] = float(t.float().max())
+    return True
+
+
+def int4_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    scheme: dict[str, Any],
+    dtype: torch.dtype,
+    kv_scales: dict[int, list[float]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """AWQ / GPTQ tensors -> HF-named float weights in `dtype` (each projection once its qweight,
+    qzeros and scales have all been read: safetensors files list keys in any order)."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        if _take_kv_scale(name, t, kv_scales):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "g_idx":
+            continue  # desc_act false: group = input row // group_size (checked at config time)
+        if leaf not in ("qweight", "qzeros", "scales"):
+            yield name, t
+            continue
+        got = parts.setdefault(prefix, {})
+        got[leaf] = t
+        if len(got) == 3:
+            del parts[prefix]
+            if scheme["method"] == "awq":
+                w = dequantize_awq(
+                    got["qweight"], got["qzeros"], got["scales"], scheme["group_size"]
+                )
+            else:
+                w = dequantize_gptq(
+                    got["qweight"], got["qzeros"], got["scales"], scheme["group_size"],
+                    zero_offset=scheme.get("zero_offset", 1),
+                )  # fmt: skip
+            yield f"{prefix}.weight", w.to(dtype)
+    if parts:
+        raise ValueError(f"incomplete int4 tensors for {sorted(parts)[:4]} (qweight/qzeros/scales)")
+
+
+def _unpack_int4(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """int32 [R, C] -> int [R, 8 C]: value 8 j + order[i] from bits [4 i, 4 i + 4) of column j."""
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=p.device)
+    nibbles = (p[:, :, None] >> shifts) & 0xF  # [R, C, 8]: nibble i
+    out = torch.empty_like(nibbles)
+    out[:, :, list(order)] = nibbles
+    return out.reshape(p.shape[0], -1)
+
+
+def dequantize_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """AutoAWQ GEMM layout: qweight [K, N/8], qzeros [K/g, N/8], scales [K/g, N] -> W [N, K]."""
+    q = _unpack_int4(qweight, AWQ_ORDER).float()  # [K, N]
+    z = _unpack_int4(qzeros, AWQ_ORDER).float()  # [K/g, N]
+    s = scales.float()
+    k = q.shape[0]
+    g = group_size if group_size > 0 else k
+    w = (q - z.repeat_interleave(g, dim=0)[:k]) * s.repeat_interleave(g, dim=0)[:k]
+    return w.t().contiguous()
+
+
+def dequantize_gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int = 1,
+) -> torch.Tensor:
+    """GPTQ (AutoGPTQ / GPTQModel): qweight [K/8, N] packed along the input dim, qzeros [K/g, N/8]
+    packed along the output dim, both in plain order; format v1 stores zero - 1 (`zero_offset`
+    1), v2 the zero itself. -> W [N, K]."""
+    order = tuple(range(8))
+    q = _unpack_int4(qweight.t().contiguous(), order).t().float()  # [K, N]
+    z = _unpack_int4(qzeros, order).float() + zero_offset  # [K/g, N]
+    s = scales.float()
+    k = q.shape[0]
+    g = group_size if group_size > 0 else k
+    w = (q - z.repeat_interleave(g, dim=0)[:k]) * s.repeat_interleave(g, dim=0)[:k]
+    return w.t().contiguous()

@@ -1,0 +1,61 @@
+"""The FP8 KV cache with the radix cache: greedy outputs with the cache on equal the outputs with
+it off, through the real scheduler and worker (as test_cache_equivalence.py drives them), with
+chunked prefill and page sizes 1 and 16; the scheduler reports the pool's element type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from test_cache_equivalence import prompts_sharing_prefixes, run
+
+from radix_runtime import messages as m
+from radix_runtime.config import ServerArgs
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # peaked logits: greedy choices far from ties
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    folder = tmp_path_factory.mktemp("fp8kv")
+    model.float().save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_kv_greedy_cache_on_equals_off(checkpoint, page_size):
+    from radix_runtime.worker.model_runner import ModelRunner
+
+    args = ServerArgs(
+        model=checkpoint,
+        page_size=page_size,
+        kv_cache_dtype="fp8_e4m3",
+        max_total_tokens=4096,
+        chunked_prefill_size=32 if page_size == 1 else 48,
+        max_running_requests=8,
+        device="cpu",
+        dtype="float32",
+        radix_tree_impl="python",
+        disable_overlap_schedule=True,
+    )
+    runner = ModelRunner(args)
+    assert runner.kv_pool.is_fp8
+    prompts = prompts_sharing_prefixes(VOCAB)
+    greedy = m.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    arrivals = [i // 2 * 3 for i in range(len(prompts))]
+    off, _ = run(runner, args.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    on, sched = run(runner, args, prompts, greedy, arrivals)
+    assert on == off
+    assert sched.cached_tokens_total > 100
+    assert sched.server_info().kv_cache_dtype == "fp8_e4m3"
