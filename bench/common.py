@@ -106,6 +106,7 @@ class RequestResult:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from a host tier (native API only)
     output_ids: list[int] = field(default_factory=list)
     output_tokens: int = 0
     text: str = ""
@@ -347,6 +348,7 @@ async def stream_generate(
         meta = event.get("meta_info") or {}
         result.prompt_tokens = meta.get("prompt_tokens", len(input_ids))
         result.cached_tokens = meta.get("cached_tokens", 0)
+        result.host_cached_tokens = meta.get("host_cached_tokens", 0)
         return new
 
     return await _timed(client, base_url + "/generate", body, t0, on_event)
@@ -416,10 +418,10 @@ def flush_cache(url: str, api_key: str | None = None) -> bool:
     return r.status_code == 200
 
 
-def warm_up(url: str, vocab_size: int, api_key: str | None = None) -> None:
+def warm_up(url: str, vocab_size: int, api_key: str | None = None, salt: int = 0) -> None:
     """One short request, so the first measured one does not pay for lazy initialisation."""
     lo, hi = safe_token_range(vocab_size)
-    ids = [lo + (i * 7919) % (hi - lo) for i in range(16)]
+    ids = [lo + (i * 7919 + salt * 104729) % (hi - lo) for i in range(16)]
     body = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0.0},
@@ -487,7 +489,10 @@ class LaunchedServer:
                     f"the server exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # --dp: the router answers /health once it listens, /readiness once it has
+                # a replica to send to
+                path = "/readiness" if "--dp" in self.cmd else "/health"
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return self
             time.sleep(0.3)
         self.stop()
@@ -560,10 +565,41 @@ def open_target(target: Target, args: argparse.Namespace) -> Iterator[str]:
         yield server.url
 
 
-def prepare_server(url: str, api_key: str | None) -> dict:
-    """Server info, after a warm-up request and an emptied cache."""
+def replica_split(url: str, api_key: str | None) -> list[dict] | None:
+    """Behind SGLang's router: each replica's prompt and cached tokens so far (from the router's
+    GET /workers and each replica's /get_server_info), showing how a policy spread the load;
+    None for a plain server."""
+    try:
+        r = httpx.get(url + "/workers", headers=_headers(api_key), timeout=30)
+        workers = r.json().get("workers") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(workers, list):
+        return None
+    out = []
+    for w in workers:
+        cache = get_server_info(w["url"], api_key).get("cache") or {}
+        out.append(
+            {
+                "url": w["url"],
+                "prompt_tokens": cache.get("prompt_tokens"),
+                "cached_tokens": cache.get("cached_tokens"),
+            }
+        )
+    return out
+
+
+def prepare_server(url: str, api_key: str | None, warm_ups: int = 1) -> dict:
+    """Server info, after warm-up requests and an emptied cache. Behind SGLang's router
+    (`serve --dp N`), /get_server_info is the router's own: the model's facts come from
+    /get_model_info (answered by a replica); `warm_ups` > 1 reaches several replicas."""
     info = get_server_info(url, api_key)
-    warm_up(url, info["vocab_size"], api_key)
+    if "vocab_size" not in info:  # a router
+        r = httpx.get(url + "/get_model_info", headers=_headers(api_key), timeout=60)
+        r.raise_for_status()
+        info = {**info, **r.json(), "router": True}
+    for i in range(warm_ups):
+        warm_up(url, info["vocab_size"], api_key, salt=i)
     if not flush_cache(url, api_key):
         print(f"warning: {url} refused /flush_cache; the run may start warm", file=sys.stderr)
     return info

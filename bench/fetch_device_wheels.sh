@@ -7,7 +7,9 @@
 #   xgrammar           constrained decoding (its other needs, pydantic, apache-tvm-ffi, torch,
 #                      triton, transformers, are on the H200 or in the kit);
 #   prometheus-client  the /metrics route;
-#   jsonschema (+ its small dependencies)  the structured-output tests and bench.
+#   jsonschema (+ its small dependencies)  the structured-output tests and bench;
+#   sglang-router (+ what its launcher imports: aiohttp and its dependencies, orjson,
+#                 setproctitle)  `serve --dp N` and run_h200.sh's dp_router stage.
 # .devicekit/setup.sh installs every wheel in that folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +18,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --dest .devicekit/wheels \
     "uvloop>=0.19" "httptools>=0.6" "pybind11>=2.10" "xgrammar>=0.1.20" "prometheus-client>=0.20" \
-    "jsonschema>=4" "jsonschema-specifications" "referencing" "rpds-py" "attrs"
-ls .devicekit/wheels | grep -E "^(uvloop|httptools|pybind11|xgrammar|prometheus|jsonschema|referencing|rpds|attrs)"
+    "jsonschema>=4" "jsonschema-specifications" "referencing" "rpds-py" "attrs" \
+    "sglang-router>=0.3.2,<0.4" "aiohttp" "multidict" "yarl" "frozenlist" "aiosignal" \
+    "propcache" "aiohappyeyeballs" "orjson" "setproctitle"
+ls .devicekit/wheels | grep -E "^(uvloop|httptools|pybind11|xgrammar|prometheus|jsonschema|referencing|rpds|attrs|sglang_router|aiohttp|orjson|setproctitle)"

@@ -14,6 +14,13 @@ the same trace against an infinite cache.
 
     python bench/multi_turn_chat.py --clients 8 --rounds 4 --compare-no-cache \
         --server-args "--max-total-tokens 65536" --out result.json --plot result.png
+
+The host KV tier (docs/hicache.md): ``--hicache-policies write_through,write_back`` adds one run
+per write policy with ``--enable-hierarchical-cache`` (and ``--hicache-args``) on the same
+device pool, ``--unrestricted-tokens N`` a run whose device pool holds N tokens (the reference:
+nothing evicted). Each such run records per round the tokens loaded from the host and the bytes
+that moved; the result compares the tiered runs with the unrestricted one and their load
+throughput with a host-to-device copy measured in the same run.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import asyncio
 import itertools
 import math
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -234,8 +242,13 @@ def section(turns: list[Turn], duration: float, rounds: int, optimal: list[int] 
             "optimal_hit_rate",
         )
     }
+    per_round["host_hit_rate"] = []
     for r in range(rounds):
         idx = [i for i in ok if turns[i].round == r]
+        host = sum(turns[i].result.host_cached_tokens for i in idx)
+        per_round["host_hit_rate"].append(
+            common.hit_rate(host, sum(turns[i].result.prompt_tokens for i in idx))
+        )
         ttfts = [turns[i].result.ttft_s for i in idx]
         itls = [x for i in idx for x in turns[i].result.itls_s]
         prompt = sum(turns[i].result.prompt_tokens for i in idx)
@@ -257,14 +270,13 @@ def load_tokenizer(info: dict):
     try:
         from radix_runtime.tokenizer import load_tokenizer as load
 
-        return load(info.get("tokenizer") or info["model"])
+        return load(info.get("tokenizer") or info.get("model") or info["model_path"])
     except Exception as exc:  # any failure only costs the optimal hit rate of text mode
         print(f"warning: no local tokenizer ({exc}); text mode has no optimal hit rate")
         return None
 
 
-def run(opts: argparse.Namespace) -> dict:
-    sections: dict[str, dict] = {}
+def base_config(opts: argparse.Namespace) -> dict:
     config: dict = {
         k: v for k, v in vars(opts).items() if k not in ("api_key", "out", "plot", "func")
     }
@@ -273,11 +285,19 @@ def run(opts: argparse.Namespace) -> dict:
     config["max_prompt_tokens"] = max_prompt_tokens(
         opts.rounds, opts.system_tokens, opts.context_tokens, opts.user_tokens, opts.answer_tokens
     )
+    return config
+
+
+def run_targets(targets: list, opts: argparse.Namespace, config: dict) -> dict[str, dict]:
+    """The same trace against each target in turn (later ones replay the first one's answers,
+    so every target sees the very same prompts); a section of metrics per target label."""
+    sections: dict[str, dict] = {}
     trace = None
     replay = None
-    for target in common.targets_from_args(opts):
+    for target in targets:
         with common.open_target(target, opts) as url:
-            info = common.prepare_server(url, opts.api_key)
+            # behind a router, warm-ups with different prompts reach several replicas
+            info = common.prepare_server(url, opts.api_key, warm_ups=2 * max(opts.dp, 1))
             if trace is None:
                 token_range = common.safe_token_range(info["vocab_size"])
                 trace = make_trace(
@@ -305,18 +325,33 @@ def run(opts: argparse.Namespace) -> dict:
             tokenizer = load_tokenizer(info) if opts.text else None
             optimal = optimal_per_turn(turns, page_size, tokenizer)
             sections[target.label] = section(turns, duration, opts.rounds, optimal) | lag
+            tier_stats(sections[target.label], turns, opts.rounds, url, opts.api_key)
+            if info.get("router"):  # counted since each replica started: warm-ups included
+                sections[target.label]["replicas"] = common.replica_split(url, opts.api_key)
             if replay is None:
                 replay = {(t.client, t.round): t.answer for t in turns if t.result.error is None}
+    return sections
+
+
+def run(opts: argparse.Namespace) -> dict:
+    config = base_config(opts)
+    targets = all_targets(opts)
+    sections = run_targets(targets, opts, config)
     on, off = sections["cache_on"], sections.get("cache_off")
-    targets = common.targets_from_args(opts)
+    reference = common.CACHE_OFF_REFERENCE if off else "none (cache on only)"
+    if "unrestricted" in sections:
+        reference = (
+            f"the same workload with an unrestricted device pool (--max-total-tokens "
+            f"{opts.unrestricted_tokens}) in the same run; " + reference
+        )
+    extra = {k: v for k, v in sections.items() if k not in ("cache_on", "cache_off")}
     return {
-        "provenance": common.provenance(
-            common.CACHE_OFF_REFERENCE if len(targets) > 1 else "none (cache on only)",
-            common.targets_flags(targets),
-        ),
+        "provenance": common.provenance(reference, common.targets_flags(targets)),
         "config": config,
         "cache_on": on,
         "cache_off": off,
+        **extra,
+        "tiers": tier_ratios(sections, opts),
         "ratios": {
             "ttft_p50_off_over_on": common.ratio(off and off["ttft_p50_s"], on["ttft_p50_s"]),
             "output_tok_s_on_over_off": common.ratio(
@@ -325,6 +360,153 @@ def run(opts: argparse.Namespace) -> dict:
             "hit_rate_over_optimal": common.ratio(on["hit_rate"], on["optimal_hit_rate"]),
         },
     }
+
+
+ROUTER_REFERENCE = (
+    "the optimal hit rate: the same trace against one infinite cache (what perfect affinity "
+    "would reuse); the policies side by side on the same trace, in the same run"
+)
+
+
+def run_router_policies(opts: argparse.Namespace) -> dict:
+    """`--router-policies a,b`: one launched `serve --dp N --router-policy P` per policy, the
+    same trace against each: hit rate over optimal, TTFT and throughput side by side."""
+    policies = [p.strip() for p in opts.router_policies.split(",") if p.strip()]
+    if opts.url:
+        raise SystemExit("--router-policies launches its servers: leave out --url")
+    flags = tuple(shlex.split(opts.server_args))
+    targets = [
+        common.Target(p, None, (*flags, "--dp", str(opts.dp), "--router-policy", p))
+        for p in policies
+    ]
+    config = base_config(opts)
+    sections = run_targets(targets, opts, config)
+    first = policies[0]
+    ratios = {
+        f"{p}_hit_rate_over_optimal": common.ratio(
+            sections[p]["hit_rate"], sections[p]["optimal_hit_rate"]
+        )
+        for p in policies
+    }
+    for p in policies[1:]:
+        ratios[f"output_tok_s_{first}_over_{p}"] = common.ratio(
+            sections[first]["output_tok_s"], sections[p]["output_tok_s"]
+        )
+        ratios[f"ttft_p50_{p}_over_{first}"] = common.ratio(
+            sections[p]["ttft_p50_s"], sections[first]["ttft_p50_s"]
+        )
+    return {
+        "provenance": common.provenance(ROUTER_REFERENCE, common.targets_flags(targets)),
+        "config": config,
+        "policies": sections,
+        "ratios": ratios,
+    }
+
+
+def print_policy_table(result: dict) -> None:
+    sections = result["policies"]
+    rows = [
+        ("TTFT p50 (s)", "ttft_p50_s", 1, 3),
+        ("TTFT p99 (s)", "ttft_p99_s", 1, 3),
+        ("ITL p50 (ms)", "itl_p50_s", 1e3, 1),
+        ("output tok/s", "output_tok_s", 1, 1),
+        ("hit rate", "hit_rate", 1, 3),
+        ("optimal hit rate", "optimal_hit_rate", 1, 3),
+        ("errors", "errors", 1, 0),
+    ]
+    print()
+    print(f"{'':<18}" + "".join(f"{p:>14}" for p in sections))
+    for name, key, scale, digits in rows:
+        cells = "".join(f"{common.fmt(s[key], scale, digits):>14}" for s in sections.values())
+        print(f"{name:<18}{cells}")
+    print()
+    for key, value in result["ratios"].items():
+        print(f"{key + ':':<44}{common.fmt(value, 1, 3)}")
+    for policy, sec in sections.items():
+        split = sec.get("replicas") or []
+        shares = ", ".join(f"{r['prompt_tokens']} ({r['cached_tokens']} cached)" for r in split)
+        print(f"{policy}: prompt tokens per replica: {shares}")
+
+
+def all_targets(opts: argparse.Namespace) -> list[common.Target]:
+    """cache_on (the device-only cache), cache_off, then one host-tier run per write policy and
+    the unrestricted pool, all with --server-args (launched servers only)."""
+    targets = common.targets_from_args(opts)
+    base = targets[0].flags
+    for policy in filter(None, (opts.hicache_policies or "").split(",")):
+        flags = (*base, "--enable-hierarchical-cache", "--hicache-write-policy", policy)
+        targets.append(
+            common.Target(f"hicache_{policy}", None, (*flags, *shlex.split(opts.hicache_args)))
+        )
+    if opts.unrestricted_tokens:
+        flags = list(base)
+        if "--max-total-tokens" in flags:
+            i = flags.index("--max-total-tokens")
+            del flags[i : i + 2]
+        flags += ["--max-total-tokens", str(opts.unrestricted_tokens)]
+        targets.append(common.Target("unrestricted", None, tuple(flags)))
+    return targets
+
+
+def tier_stats(sec: dict, turns: list[Turn], rounds: int, url: str, api_key) -> None:
+    """The server's cache section after the run (host pages, hits, bytes loaded and written,
+    load time) and, per round, the bytes loaded from the host."""
+    cache = common.get_server_info(url, api_key).get("cache") or {}
+    sec["server_cache"] = cache
+    host_tokens = cache.get("host_cached_tokens") or 0
+    per_token = cache.get("host_loaded_bytes", 0) / host_tokens if host_tokens else 0.0
+    sec["per_round"]["bytes_loaded"] = [
+        sum(t.result.host_cached_tokens for t in turns if t.round == r) * per_token
+        for r in range(rounds)
+    ]
+
+
+def measure_pinned_bandwidth() -> float | None:
+    """Host-to-device copy bandwidth from pinned memory on this machine's GPU (bytes/s), the
+    ceiling of a load; None without CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    from radix_runtime.worker.host_pool import measure_load_bandwidth
+
+    return measure_load_bandwidth(torch.device("cuda"), 1 << 30)
+
+
+def tier_ratios(sections: dict, opts: argparse.Namespace) -> dict:
+    """The host tier's goals: hit rate against the optimum, TTFT and throughput against the
+    unrestricted pool, load throughput against the pinned copy bandwidth."""
+    out: dict = {}
+    ref = sections.get("unrestricted")
+    pinned = measure_pinned_bandwidth()
+    out["pinned_h2d_bandwidth"] = pinned
+    for label, sec in sections.items():
+        if label in ("cache_off",):
+            continue
+        cache = sec.get("server_cache") or {}
+        row = {
+            "hit_rate_over_optimal": common.ratio(sec["hit_rate"], sec["optimal_hit_rate"]),
+            "host_hit_rate": common.hit_rate(
+                cache.get("host_cached_tokens", 0), sec["prompt_tokens"]
+            ),
+            "bytes_loaded": cache.get("host_loaded_bytes"),
+            "bytes_written": cache.get("host_written_bytes"),
+            "load_s": cache.get("host_load_s"),
+        }
+        if ref is not None:
+            row["ttft_p50_over_unrestricted"] = common.ratio(sec["ttft_p50_s"], ref["ttft_p50_s"])
+            row["output_tok_s_over_unrestricted"] = common.ratio(
+                sec["output_tok_s"], ref["output_tok_s"]
+            )
+        if cache.get("host_load_s"):
+            throughput = cache["host_loaded_bytes"] / cache["host_load_s"]
+            row["load_throughput"] = throughput
+            ceiling = pinned or cache.get("host_load_bandwidth")
+            row["load_throughput_over_copy_bandwidth"] = common.ratio(throughput, ceiling)
+        out[label] = row
+    return out
 
 
 def check_fits(longest: int, info: dict) -> None:
@@ -378,6 +560,33 @@ def print_table(result: dict) -> None:
             f"  {common.fmt(pr['ttft_p50_s'][r], 1, 3):>8}  {common.fmt(pr['hit_rate'][r]):>8}"
             f"  {common.fmt(pr['optimal_hit_rate'][r]):>7}"
         )
+
+
+def print_tiers(result: dict) -> None:
+    """The runs side by side (device-only, host tier per policy, unrestricted, off)."""
+    tiers = result.get("tiers") or {}
+    labels = [k for k in tiers if k != "pinned_h2d_bandwidth"]
+    if len(labels) < 2:
+        return
+    print()
+    print(f"{'run':<26}{'hit':>7}{'hit/opt':>9}{'host hit':>9}{'TTFT p50':>10}{'tok/s':>9}"
+          f"{'TTFT/unr':>10}{'tok/s/unr':>10}{'MB loaded':>11}{'MB written':>11}{'load/bw':>9}")  # fmt: skip
+    for label in labels:
+        sec, row = result[label], tiers[label]
+        print(
+            f"{label:<26}{common.fmt(sec['hit_rate']):>7}"
+            f"{common.fmt(row['hit_rate_over_optimal']):>9}{common.fmt(row['host_hit_rate']):>9}"
+            f"{common.fmt(sec['ttft_p50_s']):>10}{common.fmt(sec['output_tok_s'], 1, 1):>9}"
+            f"{common.fmt(row.get('ttft_p50_over_unrestricted'), 1, 2):>10}"
+            f"{common.fmt(row.get('output_tok_s_over_unrestricted'), 1, 2):>10}"
+            f"{common.fmt(row['bytes_loaded'] and row['bytes_loaded'] / 1e6, 1, 1):>11}"
+            f"{common.fmt(row['bytes_written'] and row['bytes_written'] / 1e6, 1, 1):>11}"
+            f"{common.fmt(row.get('load_throughput_over_copy_bandwidth'), 1, 2):>9}"
+        )
+    print("per-round hit rate:")
+    for label in labels:
+        rates = " ".join(common.fmt(x) for x in result[label]["per_round"]["hit_rate"])
+        print(f"  {label:<24}{rates}")
 
 
 def plot(result: dict, path: str) -> None:
@@ -467,6 +676,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--text", action="store_true", help="send chat text instead of token ids")
+    d = p.add_argument_group("data parallel (launched servers)")
+    d.add_argument("--dp", type=int, default=0, help="replicas per launched server (serve --dp)")
+    d.add_argument(
+        "--router-policies",
+        default=None,
+        help="compare the router's policies, e.g. cache_aware,round_robin: one launched "
+        "`serve --dp N --router-policy P` each (needs --dp >= 2)",
+    )
+    h = p.add_argument_group("host KV tier (docs/hicache.md)")
+    h.add_argument(
+        "--hicache-policies",
+        default="",
+        help="comma-separated write policies: one run each with --enable-hierarchical-cache",
+    )
+    h.add_argument("--hicache-args", default="", help="more flags for the host-tier runs")
+    h.add_argument(
+        "--unrestricted-tokens",
+        type=int,
+        default=0,
+        help="also run with --max-total-tokens N (the reference of the host-tier goals)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", help="write the results as JSON here")
     o.add_argument("--plot", help="write a PNG plot here")
@@ -482,13 +712,29 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             "--clients, --rounds, --max-inflight, --user-tokens, --answer-tokens must be >= 1"
         )
+    if opts.router_policies:
+        if opts.dp < 2:
+            raise SystemExit("--router-policies needs --dp >= 2")
+        result = run_router_policies(opts)
+        print_policy_table(result)
+        if opts.out:
+            common.write_json(opts.out, result)
+        failed = sum(s["errors"] for s in result["policies"].values())
+        if failed:
+            print(
+                f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr
+            )
+            return 1
+        return 0
     result = run(opts)
     print_table(result)
+    print_tiers(result)
     if opts.out:
         common.write_json(opts.out, result)
     if opts.plot:
         plot(result, opts.plot)
     sections = [s for s in (result["cache_on"], result["cache_off"]) if s]
+    sections += [result[k] for k in result.get("tiers", {}) if k in result and k != "cache_on"]
     failed = sum(s["errors"] for s in sections)
     if failed:
         print(f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr)

@@ -30,6 +30,10 @@
 #   serving_gsp      bench/serving.py, generated-shared-prefix (8 groups x 16 prompts sharing a
 #                    2,048-token system prompt, 128-token questions and answers), rates 8, 32, inf,
 #                    cache on and off -> $OUT/h200_serving.{json,png}
+#   dp_router        bench/multi_turn_chat.py against `serve --dp 2` (two replicas on the one
+#                    H200, each sizing its KV pool from half the memory; docs/scaling.md), router
+#                    policies cache_aware vs round_robin, token ids -> $OUT/h200_dp_router.json
+#                    (needs sglang-router from bench/fetch_device_wheels.sh)
 # The multi-turn stages keep the launched servers' logs in $OUT/logs_<name>/.
 # A stage given twice writes its repeat beside the first (name_<time>).
 # e.g.  bash bench/run_h200.sh tests kernels worker
@@ -112,6 +116,16 @@ for stage in "$@"; do
             mkdir -p "$OUT/logs_$name"
             find "${TMPDIR:-/tmp}" -maxdepth 2 -name 'server-*.log' -newer "$marker" \
                 -exec cp {} "$OUT/logs_$name/" \; ;;
+        dp_router)
+            marker=$(mktemp)
+            timeout 570 python3 bench/multi_turn_chat.py --model llama-3.1-8b \
+                --server-args "--load-format dummy" --dp 2 \
+                --router-policies cache_aware,round_robin --clients 32 --rounds 4 \
+                --system-tokens 1024 --context-tokens 512 --user-tokens 128 --answer-tokens 128 \
+                --max-inflight 32 --out "$OUT/h200_dp_router.json" || status=1
+            mkdir -p "$OUT/logs_dp_router"
+            find "${TMPDIR:-/tmp}" -maxdepth 2 -name 'server-*.log' -newer "$marker" \
+                -exec cp {} "$OUT/logs_dp_router/" \; ;;
         serve:*)
             IFS=: read -r _ sv_name sv_flags <<< "$stage"
             timeout 300 python3 bench/serving.py --model llama-3.1-8b \

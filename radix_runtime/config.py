@@ -49,6 +49,11 @@ class ServerArgs:
     # one step ahead: the next batch is built and sent while the worker computes this one
     disable_overlap_schedule: bool = False
     radix_tree_impl: str = "auto"  # auto | cpp | python
+    # the host-memory tier under the radix tree (docs/hicache.md)
+    enable_hierarchical_cache: bool = False
+    hicache_size: float = 0.0  # GB of host memory for it; 0: --hicache-ratio of the device pool
+    hicache_ratio: float = 2.0
+    hicache_write_policy: str = "write_through"  # write_through | write_back
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
@@ -61,6 +66,7 @@ class ServerArgs:
     dp: int = 1
     dp_rank: int = 0  # this replica's index (set by the supervisor; tags its KV events)
     router_policy: str = "cache_aware"  # cache_aware | round_robin | power_of_two | random
+    router_args: str = ""  # more sglang-router flags, in its own syntax
     # KV-cache events: a ZeroMQ PUB endpoint (e.g. tcp://*:5557) and its snapshot (replay) socket
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
@@ -127,6 +133,15 @@ class ServerArgs:
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
         if self.dp < 1:
             raise ValueError("--dp must be >= 1")
+        if self.dp > 1 and (
+            len(self.api_keys()) > 1 or self.api_key_file or self.cache_isolation != "none"
+        ):
+            # NOTE: the router checks one key and forwards with it: every request would reach
+            # the replicas as one tenant
+            raise ValueError(
+                "--dp > 1 takes one --api-key: several keys, --api-key-file and "
+                "--cache-isolation api-key need a router that forwards each caller's key"
+            )
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown --router-policy {self.router_policy!r}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
@@ -135,6 +150,10 @@ class ServerArgs:
             raise ValueError("--grammar-compile-threads must be >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.hicache_size < 0 or self.hicache_ratio <= 0:
+            raise ValueError("--hicache-size must be >= 0 and --hicache-ratio > 0")
+        if self.hicache_write_policy not in ("write_through", "write_back"):
+            raise ValueError("--hicache-write-policy must be write_through or write_back")
         if self.quantization not in _CHOICES["quantization"]:
             raise ValueError(f"unknown --quantization {self.quantization!r}")
         if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
@@ -173,6 +192,8 @@ _HELP = {
     "give each replica its own): tags its KV events",
     "router_policy": "the router's policy with --dp > 1 (cache_aware: a conversation goes to the "
     "replica that served its prefix)",
+    "router_args": "more flags for the router with --dp > 1, in sglang-router's syntax, e.g. "
+    "'--balance-abs-threshold 4' (python -m sglang_router.launch_router --help)",
     "kv_events_endpoint": "publish KV-cache events (blocks stored / removed / all cleared, "
     "msgpack) on this ZeroMQ PUB endpoint, e.g. tcp://*:5557 (docs/scaling.md)",
     "kv_events_replay_endpoint": "a ZeroMQ ROUTER endpoint answering snapshot requests: every "
@@ -192,6 +213,12 @@ _HELP = {
     "API key's tenant (whatever cache_salt they send); none: with the same cache_salt "
     "(docs/tenancy.md)",
     "disable_docs": "do not serve /openapi.json and /docs",
+    "enable_hierarchical_cache": "keep KV evicted from the device pool in a host-memory pool and "
+    "load it back instead of recomputing it (docs/hicache.md)",
+    "hicache_size": "GB of host memory for the host tier (0: --hicache-ratio of the device pool)",
+    "hicache_ratio": "host tier size as a multiple of the device KV pool (when --hicache-size is 0)",
+    "hicache_write_policy": "write_through: copy KV to the host as soon as it is cached (eviction "
+    "is then free); write_back: copy it when it is evicted from the device",
     "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
     "per-output-channel scales and FP8 activations with per-token dynamic scales "
     "(docs/quantization.md); quantized checkpoints (FP8, AWQ, GPTQ) are recognised from their "
@@ -210,6 +237,7 @@ _CHOICES = {
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],
+    "hicache_write_policy": ["write_through", "write_back"],
     "tool_call_parser": ["auto", "hermes", "llama3"],
     "router_policy": list(ROUTER_POLICIES),
     "cache_isolation": ["none", "api-key"],

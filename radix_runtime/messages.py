@@ -155,6 +155,18 @@ class CacheStats(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
     prompt_tokens: int = 0
     tree: str = ""  # the radix tree implementation in use: "cpp" or "python"
+    # the host tier (all 0 without --enable-hierarchical-cache); host_cached_tokens: prompt
+    # tokens served by loading from the host (part of cached_tokens)
+    host_total_pages: int = 0
+    host_free_pages: int = 0
+    host_evictable_pages: int = 0
+    host_cached_tokens: int = 0
+    host_loads: int = 0
+    host_loaded_bytes: int = 0
+    host_written_bytes: int = 0
+    host_load_s: float = 0.0
+    host_recomputed_tokens: int = 0  # host hits recomputed (the load did not pay, or no room)
+    host_load_bandwidth: float = 0.0  # bytes/s of a host -> device copy, measured at start
 
 
 class GrammarStats(msgspec.Struct, frozen=True):
@@ -212,6 +224,7 @@ class SchedulerMetrics(_Msg):
     tree_nodes: int
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
     generation_tokens: int = 0
     retractions: int = 0
     evicted_pages: int = 0
@@ -252,6 +265,7 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
     matched_stop: int | None = None  # the stop token id that ended it
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
     output_logprobs: bytes = b""  # float32, one per new id
     # top-k per new id: k ids and k logprobs each, flattened
     top_ids: bytes = b""
@@ -330,6 +344,14 @@ class ForwardBatch(_Msg):
     reqs: list[ForwardReq]
     # slots whose per-request worker state (seeded generator, penalty counts) can be dropped
     released_slots: list[int] = []
+    # the host KV tier (docs/hicache.md): copies the worker makes before this step's model runs,
+    # as int32 page-id buffers, one id per page: device -> host writes, then host -> device loads
+    write_src: bytes = b""
+    write_dst: bytes = b""
+    load_src: bytes = b""
+    load_dst: bytes = b""
+    # the step overwrites device pages a write of this batch reads: it waits for the writes
+    writes_block: bool = False
 
 
 class ForwardReqResult(msgspec.Struct, omit_defaults=True):
@@ -353,6 +375,7 @@ class ForwardResult(_Msg):
     step: int
     results: list[ForwardReqResult]
     forward_s: float = 0.0
+    load_s: float = 0.0  # the host -> device loads of this step, as the copy stream timed them
 
 
 class CompileGrammar(_Msg):
@@ -381,6 +404,11 @@ class WorkerReady(_Msg):
     device: str
     dtype: str
     attention_backend: str
+    # the host KV tier: its pages (0: none, including the reserved page 0), bytes of KV per
+    # token, and the host-to-device copy bandwidth measured at start (bytes/s)
+    host_num_pages: int = 0
+    kv_bytes_per_token: int = 0
+    load_bandwidth: float = 0.0
     kv_cache_dtype: str = ""  # the KV pool's element type: bfloat16, float32, fp8_e4m3...
     quantization: str = "none"  # the weights': none | fp8 | awq | gptq (worker/quant.py)
 

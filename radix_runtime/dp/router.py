@@ -3,6 +3,8 @@ supervisor with its settings (sglang_router's RouterArgs fields) as a JSON line 
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 import sys
 
 from radix_runtime.utils.procs import read_child_payload, set_process_title
@@ -20,15 +22,32 @@ def router_installed() -> bool:
     return True
 
 
+def build_router_args(settings: dict, extra: str = ""):
+    """sglang_router's RouterArgs: `settings` (the supervisor's), then the flags given in
+    `extra` (--router-args, the router's own CLI syntax) on top. A bad flag raises ValueError."""
+    from sglang_router.launch_router import parse_router_args
+    from sglang_router.router_args import RouterArgs
+
+    explicit = {}
+    if extra.strip():
+        try:
+            given = dataclasses.asdict(parse_router_args(shlex.split(extra)))
+        except SystemExit:  # argparse printed why
+            raise ValueError(f"--router-args {extra!r}: not sglang-router flags") from None
+        defaults = dataclasses.asdict(parse_router_args([]))
+        explicit = {k: v for k, v in given.items() if v != defaults[k]}
+    return RouterArgs(**{**settings, **explicit})
+
+
 def main() -> None:
     payload = read_child_payload()
     set_process_title("router")
-    try:
-        from sglang_router.launch_router import launch_router
-        from sglang_router.router_args import RouterArgs
-    except ImportError:
+    if not router_installed():
         sys.exit(MISSING)
-    launch_router(RouterArgs(**payload["router"]))  # blocks until SIGINT / SIGTERM
+    from sglang_router.launch_router import launch_router
+
+    # blocks until SIGINT / SIGTERM
+    launch_router(build_router_args(payload["router"], payload.get("extra", "")))
 
 
 if __name__ == "__main__":

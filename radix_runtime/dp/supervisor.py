@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from radix_runtime.config import ServerArgs
-from radix_runtime.dp.router import MISSING, router_installed
+from radix_runtime.dp.router import MISSING, build_router_args, router_installed
 from radix_runtime.utils.procs import configure_logging, set_process_title, spawn_child
 
 logger = logging.getLogger("radix_runtime.dp")
@@ -36,6 +36,8 @@ logger = logging.getLogger("radix_runtime.dp")
 # the router's health checks: how fast a dead replica leaves the rotation (interval x threshold)
 HEALTH_CHECK_INTERVAL_S = 2
 HEALTH_FAILURE_THRESHOLD = 2
+# cache_aware balances by queue length once loads differ by more than this (and by 1.5x)
+BALANCE_ABS_THRESHOLD = 4
 STARTUP_TIMEOUT_S = 3600.0  # like a single server: loading a large model takes long
 
 
@@ -129,13 +131,17 @@ def router_settings(args: ServerArgs, plans: list[ReplicaPlan]) -> dict:
         "port": args.port,
         "policy": args.router_policy,
         # NOTE: the router sends its own key to the replicas too: one key for both sides
-        "api_key": args.api_key,
+        "api_key": (args.api_keys() or [None])[0],  # one at most with --dp (validate())
         # the router logs every request at info: its info is our debug
         "log_level": {"debug": "info", "info": "warn", "warning": "warn"}.get(
             args.log_level, args.log_level
         ),
         "prometheus_host": "127.0.0.1",
         "prometheus_port": free_port(),
+        # NOTE: sglang-router's default, 64 requests, let cache_aware send a whole shared-prefix
+        # workload to one replica (docs/scaling.md); the 1.5x relative threshold still keeps
+        # busy replicas on cache affinity
+        "balance_abs_threshold": BALANCE_ABS_THRESHOLD,
         "health_check_interval_secs": HEALTH_CHECK_INTERVAL_S,
         "health_failure_threshold": HEALTH_FAILURE_THRESHOLD,
         "health_success_threshold": 1,
@@ -251,9 +257,10 @@ class Supervisor:
                 self._spawn_replica(plan)
             if not self._wait_healthy(self.plans, STARTUP_TIMEOUT_S):
                 return False
+        settings = router_settings(args, self.plans)
         self.router = spawn_child(
             "radix_runtime.dp.router",
-            {"router": router_settings(args, self.plans)},
+            {"router": settings, "extra": args.router_args},
             new_session=True,
         )
         if not self._wait_router():
@@ -298,17 +305,28 @@ class Supervisor:
         """Take a dead replica out of the rotation now: the router's health checks would take
         HEALTH_CHECK_INTERVAL_S x HEALTH_FAILURE_THRESHOLD, and it does not retry a request
         whose connection was refused."""
-        headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
+        keys = self.args.api_keys()
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         base = self._router_url()
+
+        def listed(client: httpx.Client) -> list[dict]:
+            resp = client.get(base + "/workers")
+            resp.raise_for_status()
+            return [w for w in resp.json().get("workers", []) if w.get("url") == url]
+
         try:
             with httpx.Client(timeout=5, headers=headers) as client:
-                for worker in client.get(base + "/workers").json().get("workers", []):
-                    if worker.get("url") == url:
-                        client.delete(f"{base}/workers/{worker['id']}").raise_for_status()
+                for worker in listed(client):
+                    client.delete(f"{base}/workers/{worker['id']}").raise_for_status()
+                deadline = time.monotonic() + 5  # the router removes it in the background
+                while listed(client) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not listed(client):
+                    logger.info("removed %s from the router", url)
+                    return
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            logger.warning(
-                "could not remove %s from the router (%s); its health checks will", url, exc
-            )
+            logger.warning("could not remove %s from the router: %s", url, exc)
+        logger.warning("the router's health checks will take %s out of rotation", url)
 
     def shutdown(self) -> None:
         sig = self.stop_signal if self.stop_signal is not None else signal.SIGTERM
@@ -327,6 +345,11 @@ class Supervisor:
 def run_dp(args: ServerArgs) -> int:
     if not router_installed():
         print(f"radix-runtime: {MISSING}", file=sys.stderr)
+        return 2
+    try:  # a bad --router-args fails here, before anything starts
+        build_router_args(router_settings(args, []), args.router_args)
+    except ValueError as exc:
+        print(f"radix-runtime: {exc}", file=sys.stderr)
         return 2
     set_process_title("dp_supervisor")
     configure_logging(args.log_level, "dp")

@@ -10,9 +10,25 @@ from radix_runtime.scheduler.radix_cache import RadixCache
 logger = logging.getLogger(__name__)
 
 
-def make_radix_cache(impl: str, page_size: int, allocator: PageAllocator, disable: bool = False):
+def make_radix_cache(
+    impl: str,
+    page_size: int,
+    allocator: PageAllocator,
+    disable: bool = False,
+    host_allocator: PageAllocator | None = None,
+    write_through: bool = False,
+):
+    """`host_allocator`: the host tier's pool (--enable-hierarchical-cache); only the Python tree
+    has the host tier, so `auto` picks it then and `cpp` is refused."""
     if impl not in ("auto", "python", "cpp"):
         raise ValueError(f"unknown radix tree implementation {impl!r}")
+    if host_allocator is not None:
+        if impl == "cpp":
+            raise RuntimeError(
+                "--enable-hierarchical-cache: the C++ radix tree has no host tier; use "
+                "--radix-tree-impl python or auto"
+            )
+        return RadixCache(page_size, allocator, disable, host_allocator, write_through)
     if impl in ("auto", "cpp"):
         try:
             from radix_runtime.scheduler.radix_cache_cpp import CppRadixCache

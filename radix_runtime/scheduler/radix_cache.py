@@ -26,7 +26,17 @@ at that node, so a salted prefix can never be reached from another namespace, no
 first token. Namespace nodes are ordinary nodes to everything else: locks run through them to the
 root, the one LRU heap holds them (an emptied one is dropped like any unlocked leaf, freeing no
 pages), and check_integrity walks them as part of the one tree. A host-memory tier would hang off
-the same nodes (a node knowing where its KV lives); namespaces need nothing from it.
+the same nodes; namespaces need nothing from it.
+
+The host tier (`--enable-hierarchical-cache`, docs/hicache.md): a node's KV lives on the device
+(`pages`), in the host pool (`host_pages`), or both. The device-resident nodes form a prefix-closed
+subtree (a node on the device has its parent on the device), so a match is a run of device nodes
+followed by a run of host-only nodes. Device eviction takes the LRU unlocked node none of whose
+children is on the device; it keeps the node on the host (writing it there first when it has no
+host copy yet) and removes it only when the host pool has no room. Host eviction takes the LRU
+unlocked host-only leaf; that node leaves the tree. The tree does not copy anything: it queues the
+copies (`take_copies`) that the scheduler sends to the worker with the next step. Without a host
+pool (`host_allocator` None) everything below reduces to the one-tier tree.
 
 LRU: a monotonic counter (not wall time, so runs are deterministic) stamps every node on the
 path of a match or insert. Eviction takes the least recently used *unlocked leaf* from a heap
@@ -61,6 +71,9 @@ class TreeNode:
         "id",
         "heap_time",
         "namespace",
+        "host_pages",
+        "dev_children",
+        "host_heap_time",
     )
 
     def __init__(self, key_bytes: bytes, pages: np.ndarray, parent: TreeNode | None, node_id: int):
@@ -78,6 +91,16 @@ class TreeNode:
         self.heap_time = -1
         # the namespace's name for a namespace node (a child of the root), else None
         self.namespace: str | None = None
+        # the host tier: this node's host page ids (None: not on the host); `pages` is empty
+        # when the node is on the host only
+        self.host_pages: np.ndarray | None = None
+        self.dev_children = 0  # children on the device (namespace nodes count as on the device)
+        self.host_heap_time = -1  # as heap_time, for the host-leaf heap
+
+    @property
+    def on_device(self) -> bool:
+        # NOTE: the root and namespace nodes (no tokens) count as on the device
+        return len(self.pages) > 0 or not self.key_bytes
 
     def __repr__(self) -> str:
         if self.namespace is not None:
@@ -85,8 +108,9 @@ class TreeNode:
                 f"TreeNode(id={self.id}, namespace={self.namespace!r}, "
                 f"lock_ref={self.lock_ref}, last_access={self.last_access})"
             )
+        host = "" if self.host_pages is None else f", host_pages={len(self.host_pages)}"
         return (
-            f"TreeNode(id={self.id}, tokens={len(self.key)}, pages={len(self.pages)}, "
+            f"TreeNode(id={self.id}, tokens={len(self.key)}, pages={len(self.pages)}{host}, "
             f"lock_ref={self.lock_ref}, last_access={self.last_access})"
         )
 
@@ -95,6 +119,10 @@ class MatchResult(NamedTuple):
     pages: np.ndarray  # int32 page ids of the matched prefix (a read-only array)
     length: int  # matched tokens, a multiple of page_size
     node: TreeNode  # deepest matched node; the root when nothing matched
+    # the host tier: tokens past `length` whose KV is on the host only, and the deepest node
+    # matched in either tier (`node` when nothing matched on the host)
+    host_length: int = 0
+    host_node: TreeNode | None = None
 
 
 class InsertResult(NamedTuple):
@@ -114,14 +142,42 @@ def _as_tokens(tokens) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int32).reshape(-1)
 
 
+class Copy(NamedTuple):
+    """A copy the worker makes between the pools: page ids, one per page, `src` to `dst`."""
+
+    src: np.ndarray
+    dst: np.ndarray
+
+
+class PendingCopies(NamedTuple):
+    """What the tree queued since the last `take_copies`, for the next step's batch."""
+
+    writes: list[Copy]  # device -> host
+    loads: list[Copy]  # host -> device
+    writes_block: bool  # device pages of a write were freed: the step must wait for the write
+
+
 class RadixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator, disable: bool = False):
+    def __init__(
+        self,
+        page_size: int,
+        allocator: PageAllocator,
+        disable: bool = False,
+        host_allocator: PageAllocator | None = None,
+        write_through: bool = False,
+    ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
         self.disable = disable
+        self.host_allocator = host_allocator  # the host tier's pool; None: one tier
+        self.write_through = write_through and host_allocator is not None
         self.on_evict = None  # see set_evict_observer
+        self.on_tier = None  # see set_tier_observer
+        self._writes: list[Copy] = []
+        self._loads: list[Copy] = []
+        self._writes_block = False
         self._key_step = 4 * page_size  # bytes of one page of int32 tokens
         self._ids = itertools.count()
         self._clock = 0
@@ -134,6 +190,10 @@ class RadixCache:
         self._num_nodes = 0  # excluding the root
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._heap_limit = 1024
+        self._host_heap: list[tuple[int, int, TreeNode]] = []
+        self._host_heap_limit = 1024
+        self._host_cached = 0  # host pages held by nodes
+        self._host_evictable = 0  # host pages of unlocked host-only nodes
 
     # ---- sizes ----
 
@@ -148,6 +208,14 @@ class RadixCache:
     @property
     def cached_pages(self) -> int:
         return self._evictable + self._protected
+
+    @property
+    def host_cached_pages(self) -> int:
+        return self._host_cached
+
+    @property
+    def host_evictable_pages(self) -> int:
+        return self._host_evictable
 
     def stats(self) -> dict:
         return {
@@ -181,6 +249,7 @@ class RadixCache:
             node = TreeNode(b"", _EMPTY, self.root, next(self._ids))
             node.namespace = namespace
             self.root.children[namespace] = node
+            self.root.dev_children += 1
             self._num_nodes += 1
         return node
 
@@ -202,9 +271,20 @@ class RadixCache:
             return MatchResult(_EMPTY, 0, self.root)
         node, length, pages, _ = self._walk(tokens, len(tokens) // self.page_size, start)
         self._push_if_evictable_leaf(node)
-        if not pages:
-            return MatchResult(_EMPTY, 0, node)
-        return MatchResult(_join(pages), length, node)
+        if self.host_allocator is None or node.on_device:
+            if not pages:
+                return MatchResult(_EMPTY, 0, node, 0, node)
+            return MatchResult(_join(pages), length, node, 0, node)
+        # the match ends on the host: `pages` are the device run, then empty arrays
+        self._push_host_leaf(node)
+        dev = node
+        while not dev.on_device:
+            dev = dev.parent
+        self._push_if_evictable_leaf(dev)
+        dev_pages = [p for p in pages if len(p)]
+        dev_len = sum(len(p) for p in dev_pages) * self.page_size
+        joined = _join(dev_pages) if dev_pages else _EMPTY
+        return MatchResult(joined, dev_len, dev, length - dev_len, node)
 
     def insert(self, tokens, pages, namespace: str | None = None) -> InsertResult:
         """Cache the page-aligned part of `tokens` whose KV is in `pages`
@@ -223,18 +303,162 @@ class RadixCache:
         if start is None:
             self._tick_root()
             return InsertResult(0, self.root)
-        node, prefix_len, _, query = self._walk(tokens, num_pages, start)
-        if prefix_len < num_pages * ps:
-            new_pages = pages[prefix_len // ps :].copy()
+        node, walked, _, query = self._walk(tokens, num_pages, start)
+        prefix_len = walked
+        if not node.on_device:
+            # the walk ran on into host-only nodes: they take the caller's pages (its KV is the
+            # same) and count as new, so the caller keeps them instead of freeing duplicates
+            prefix_len = walked - self._to_device(node, pages[: walked // ps], copy=False)
+        if walked < num_pages * ps:
+            new_pages = pages[walked // ps :].copy()
             new_pages.flags.writeable = False
-            leaf = TreeNode(query[4 * prefix_len :], new_pages, node, next(self._ids))
+            leaf = TreeNode(query[4 * walked :], new_pages, node, next(self._ids))
             leaf.last_access = self._clock
             node.children[self._child_key(leaf.key_bytes)] = leaf
+            node.dev_children += 1
             self._num_nodes += 1
             self._evictable += len(new_pages)
             node = leaf
+            if self.write_through:
+                self._write_to_host(leaf)
         self._push_if_evictable_leaf(node)
         return InsertResult(prefix_len, node)
+
+    # ---- the host tier ----
+
+    def load_back(self, node: TreeNode, pages) -> int:
+        """Give the host-only nodes on the path to `node` (locked by the caller) the device
+        `pages` (one per page of those nodes, top-down) and queue their host-to-device copies.
+        Returns the tokens loaded."""
+        if node.lock_ref <= 0:
+            raise RuntimeError(f"load_back of an unlocked node {node!r}")
+        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
+        want = self._host_only_pages(node)
+        if len(pages) != want:
+            raise ValueError(f"the host-only path to {node!r} needs {want} pages, got {len(pages)}")
+        # NOTE: the pages go at the end of a path whose device run comes first: pad the front
+        return self._to_device(node, pages, copy=True, tail=True)
+
+    def _host_only_path(self, node: TreeNode) -> list[TreeNode]:
+        """The host-only nodes from the first one below the device run down to `node`."""
+        path = []
+        while not node.on_device:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def _host_only_pages(self, node: TreeNode) -> int:
+        return sum(len(n.host_pages) for n in self._host_only_path(node))
+
+    def _to_device(self, node: TreeNode, pages: np.ndarray, copy: bool, tail: bool = False) -> int:
+        """Put the host-only path ending at `node` on the device in `pages` (the whole path's
+        pages, or with `tail` only the host-only part's); queue the copies when `copy`.
+        Returns the tokens put on the device."""
+        path = self._host_only_path(node)
+        total = sum(len(n.host_pages) for n in path)
+        off = 0 if tail else len(pages) - total
+        for n in path:
+            k = len(n.host_pages)
+            dev = pages[off : off + k].copy()
+            dev.flags.writeable = False
+            off += k
+            n.pages = dev
+            n.parent.dev_children += 1
+            if n.lock_ref:
+                self._protected += k
+            else:
+                self._evictable += k
+                self._host_evictable -= k
+            if copy:
+                self._loads.append(Copy(n.host_pages, dev))
+            if self.on_tier is not None:
+                self.on_tier("loaded", n.host_pages, dev)
+        for n in path:
+            self._push_if_evictable_leaf(n)
+        return total * self.page_size
+
+    def _write_to_host(self, node: TreeNode) -> bool:
+        """Make sure the device node `node` has a host copy (queueing the write); False when the
+        host pool has no room even after host eviction."""
+        if node.host_pages is not None:
+            return True
+        n = len(node.pages)
+        host = self.host_allocator
+        if host.free_pages < n:
+            self.evict_host(n - host.free_pages)
+        got = host.alloc(n)
+        if got is None:
+            return False
+        got.flags.writeable = False
+        node.host_pages = got
+        self._host_cached += n
+        self._writes.append(Copy(node.pages, got))
+        return True
+
+    def take_copies(self) -> PendingCopies:
+        out = PendingCopies(self._writes, self._loads, self._writes_block and bool(self._writes))
+        self._writes, self._loads, self._writes_block = [], [], False
+        return out
+
+    def _push_host_leaf(self, node: TreeNode) -> None:
+        if node.children or node.lock_ref or node.on_device or node.parent is None:
+            return
+        if node.host_heap_time == node.last_access:
+            return
+        node.host_heap_time = node.last_access
+        heapq.heappush(self._host_heap, (node.last_access, node.id, node))
+        if len(self._host_heap) > self._host_heap_limit:
+            live = []
+            for entry in self._host_heap:
+                t, _, n = entry
+                if self._host_entry_is_live(t, n):
+                    live.append(entry)
+                elif t == n.host_heap_time:
+                    n.host_heap_time = -1
+            heapq.heapify(live)
+            self._host_heap = live
+            self._host_heap_limit = max(1024, 2 * len(live))
+
+    @staticmethod
+    def _host_entry_is_live(t: int, node: TreeNode) -> bool:
+        return (
+            t == node.last_access
+            and node.lock_ref == 0
+            and not node.children
+            and node.parent is not None
+            and not node.on_device
+        )
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free at least `num_pages` host pages (or as many as possible): LRU unlocked host-only
+        leaves leave the tree, cascading upwards. Returns how many were freed."""
+        heap = self._host_heap
+        freed = 0
+        released: list[np.ndarray] = []
+        while freed < num_pages and heap:
+            t, _, node = heapq.heappop(heap)
+            if t == node.host_heap_time:
+                node.host_heap_time = -1
+            if not self._host_entry_is_live(t, node):
+                continue
+            parent = node.parent
+            del parent.children[self._slot(node)]
+            node.parent = None
+            self._num_nodes -= 1
+            k = len(node.host_pages)
+            self._host_evictable -= k
+            self._host_cached -= k
+            freed += k
+            released.append(node.host_pages)
+            self._push_host_leaf(parent)
+            self._push_if_evictable_leaf(parent)  # a namespace node may now be empty
+        if released:
+            pages = _join(released)
+            self.host_allocator.free(pages)
+            if self.on_tier is not None:
+                self.on_tier("evicted_host", pages, None)
+        return freed
 
     def _walk(self, tokens: np.ndarray, num_pages: int, start: TreeNode):
         """Follow the first `num_pages` pages of `tokens` down the tree from `start` (the root or
@@ -286,6 +510,10 @@ class RadixCache:
         )
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.dev_children = 1 if child.on_device else 0
+        if child.host_pages is not None:
+            upper.host_pages = child.host_pages[: at // ps]
+            child.host_pages = child.host_pages[at // ps :]
         child.key_bytes = child.key_bytes[cut:]
         child.key = np.frombuffer(child.key_bytes, dtype=np.int32)
         child.pages = child.pages[at // ps :]
@@ -308,6 +536,8 @@ class RadixCache:
                 size = len(node.pages)
                 self._evictable -= size
                 self._protected += size
+                if not size and node.host_pages is not None:
+                    self._host_evictable -= len(node.host_pages)
             node.lock_ref += 1
             node = node.parent
 
@@ -324,14 +554,26 @@ class RadixCache:
                 size = len(node.pages)
                 self._protected -= size
                 self._evictable += size
+                if not size and node.host_pages is not None:
+                    self._host_evictable += len(node.host_pages)
             node = node.parent
         self._push_if_evictable_leaf(start)  # only the start can be a leaf
+        if start.host_pages is not None:
+            self._push_host_leaf(start)
+            node = start
+            while not node.on_device:  # the device run's last node may now be evictable
+                node = node.parent
+            self._push_if_evictable_leaf(node)
 
     # ---- eviction ----
 
     def _push_if_evictable_leaf(self, node: TreeNode) -> None:
-        if node.children or node.lock_ref or node is self.root:
+        """Push `node` if it is an unlocked *device leaf*: on the device, none of its children on
+        the device (with one tier: a leaf)."""
+        if node.dev_children or node.lock_ref or node is self.root or not node.on_device:
             return
+        if node.namespace is not None and node.children:
+            return  # a namespace node goes when its last (host-only) child has gone
         if node.heap_time == node.last_access:
             return  # its live entry is already in the heap
         node.heap_time = node.last_access
@@ -344,8 +586,10 @@ class RadixCache:
         return (
             t == node.last_access
             and node.lock_ref == 0
-            and not node.children
+            and node.dev_children == 0
             and node.parent is not None
+            and node.on_device
+            and not (node.namespace is not None and node.children)
         )
 
     def _compact_heap(self) -> None:
@@ -361,11 +605,14 @@ class RadixCache:
         self._heap_limit = max(1024, 2 * len(live))
 
     def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages (whole nodes, so possibly a few more), or as many as
-        possible; return how many were freed. LRU unlocked leaves first, cascading upwards."""
+        """Free at least `num_pages` device pages (whole nodes, so possibly a few more), or as
+        many as possible; return how many were freed. LRU unlocked device leaves first,
+        cascading upwards. With a host tier a node is kept on the host (written there first if
+        it has no host copy) and leaves the tree only when the host pool has no room."""
         heap = self._heap
         freed = 0
-        released: list[np.ndarray] = []
+        released: list[np.ndarray] = []  # device pages of nodes that left the tree
+        offloaded: list[np.ndarray] = []  # device pages of nodes kept on the host
         while freed < num_pages and heap:
             t, _, node = heapq.heappop(heap)
             if t == node.heap_time:
@@ -373,34 +620,83 @@ class RadixCache:
             if not self._entry_is_live(t, node):
                 continue
             parent = node.parent
-            del parent.children[self._slot(node)]
-            node.parent = None
-            self._num_nodes -= 1
-            self._evictable -= len(node.pages)
-            freed += len(node.pages)
-            released.append(node.pages)
+            size = len(node.pages)
+            self._evictable -= size
+            freed += size
+            if (
+                self.host_allocator is not None
+                and node.namespace is None
+                and self._write_to_host(node)
+            ):
+                offloaded.append(node.pages)
+                if self.on_tier is not None:
+                    self.on_tier("offloaded", node.pages, node.host_pages)
+                node.pages = _EMPTY
+                parent.dev_children -= 1
+                self._host_evictable += len(node.host_pages)
+                self._push_host_leaf(node)
+            else:
+                released.append(node.pages)
+                self._remove(node)
             self._push_if_evictable_leaf(parent)
-        if released:
-            pages = _join(released)
-            self.allocator.free(pages)
-            if self.on_evict is not None:
-                self.on_evict(pages)
+        if offloaded or released:
+            self._writes_block = True
+            self.allocator.free(_join(offloaded + released))
+        if released and self.on_evict is not None:
+            self.on_evict(_join(released))
         return freed
+
+    def _remove(self, node: TreeNode) -> None:
+        """Take an unlocked device node out of the tree, with its host-only subtree (whose host
+        pages are freed)."""
+        parent = node.parent
+        del parent.children[self._slot(node)]
+        node.parent = None
+        parent.dev_children -= 1
+        self._num_nodes -= 1
+        host: list[np.ndarray] = []
+        if node.host_pages is not None:
+            self._host_cached -= len(node.host_pages)
+            host.append(node.host_pages)
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            n.parent = None
+            self._num_nodes -= 1
+            k = len(n.host_pages)
+            self._host_cached -= k
+            self._host_evictable -= k
+            host.append(n.host_pages)
+        if host:
+            pages = _join(host)
+            self.host_allocator.free(pages)
+            if self.on_tier is not None:
+                self.on_tier("evicted_host", pages, None)
 
     def set_evict_observer(self, on_evict) -> None:
         """`on_evict(page_ids)` after every eviction (KV-cache events, kv_events.py)."""
         self.on_evict = on_evict
+
+    def set_tier_observer(self, on_tier) -> None:
+        """`on_tier(kind, src, dst)` when KV moves between the tiers without leaving the cache
+        ("offloaded": device pages `src` now live in host pages `dst`; "loaded": host pages `src`
+        have device pages `dst` too) and when host pages leave it ("evicted_host", `src`)."""
+        self.on_tier = on_tier
 
     def reset(self) -> None:
         """Drop the whole cache, freeing its pages. Only legal while nothing is locked."""
         if self._protected or any(c.lock_ref for c in self.root.children.values()):
             raise RuntimeError("reset of the radix cache while nodes are locked")
         nodes = self._nodes()
-        pages = [node.pages for node in nodes]
+        pages = [node.pages for node in nodes if len(node.pages)]
+        host = [node.host_pages for node in nodes if node.host_pages is not None]
         for node in nodes:
             node.parent = None
         if pages:
             self.allocator.free(_join(pages))
+        if host:
+            self.host_allocator.free(_join(host))
         self._new_tree()
 
     # ---- debugging ----
@@ -429,8 +725,13 @@ class RadixCache:
             assert not root.children, "disabled cache holds nodes"
         nodes = self._nodes()
         assert len(nodes) == self._num_nodes, f"node count {self._num_nodes} != {len(nodes)}"
-        evictable = protected = 0
+        evictable = protected = host_evictable = 0
         leaves = set()
+        host_leaves = set()
+        host_pages: list[np.ndarray] = []
+        assert root.dev_children == sum(1 for c in root.children.values() if c.on_device), (
+            "root dev_children"
+        )
         for node in nodes:
             parent = node.parent
             name = repr(node)
@@ -446,7 +747,22 @@ class RadixCache:
                     f"{name} is not under its first {'token' if ps == 1 else 'page'} in its parent"
                 )
             assert len(node.key) % ps == 0, f"{name} key is not page-aligned"
-            assert len(node.pages) == len(node.key) // ps, f"{name} pages/key length mismatch"
+            on_device = node.on_device
+            if node.host_pages is not None:
+                assert self.host_allocator is not None, f"{name} on the host without a host tier"
+                assert len(node.host_pages) == len(node.key) // ps, f"{name} host pages mismatch"
+                host_pages.append(node.host_pages)
+                if not on_device and node.lock_ref == 0:
+                    host_evictable += len(node.host_pages)
+            else:
+                assert on_device, f"{name} is in neither tier"
+            if on_device:
+                assert len(node.pages) == len(node.key) // ps, f"{name} pages/key length mismatch"
+                assert parent.on_device, f"{name} is on the device, its parent is not"
+            dev_children = sum(1 for c in node.children.values() if c.on_device)
+            assert node.dev_children == dev_children, f"{name} dev_children != {dev_children}"
+            if not on_device and node.lock_ref == 0 and not node.children:
+                host_leaves.add(node)
             assert node.key.tobytes() == node.key_bytes, f"{name} key and key_bytes differ"
             assert node.lock_ref >= 0, f"{name} negative lock_ref"
             assert node.last_access <= parent.last_access, f"{name} accessed after its parent"
@@ -460,7 +776,11 @@ class RadixCache:
                 protected += len(node.pages)
             else:
                 evictable += len(node.pages)
-                if not node.children:
+                if (
+                    on_device
+                    and node.dev_children == 0
+                    and (node.namespace is None or not node.children)
+                ):
                     leaves.add(node)
         assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
         assert protected == self._protected, f"protected {self._protected} != recount {protected}"
@@ -479,6 +799,17 @@ class RadixCache:
         check_page_ownership(
             self.allocator, self._evictable, self._protected, [n.pages for n in nodes], held_pages
         )
+        if self.host_allocator is not None:
+            live = {n for t, _, n in self._host_heap if self._host_entry_is_live(t, n)}
+            assert live == host_leaves, (
+                f"host heap holds {len(live)} live nodes, tree has {len(host_leaves)} host leaves"
+            )
+            cached = sum(len(p) for p in host_pages)
+            assert cached == self._host_cached, f"host cached {self._host_cached} != {cached}"
+            assert host_evictable == self._host_evictable, (
+                f"host evictable {self._host_evictable} != recount {host_evictable}"
+            )
+            check_page_ownership(self.host_allocator, cached, 0, host_pages, None)
 
     def dump(self) -> list[tuple]:
         """The state as plain data: (id, parent id, tokens, pages, lock_ref, last_access, namespace)

@@ -111,6 +111,7 @@ class Req:
     arrived_at: float = 0.0  # time.perf_counter() at the scheduler
     admitted_at: float = 0.0  # first admitted to a step
     cached_tokens: int = -1  # prefix length matched the first time the request was scheduled
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
     retractions: int = 0
     finish_reason: str | None = None
     matched_stop: int | None = None

@@ -63,6 +63,14 @@ IN_BATCH_SHARE_THRESHOLD = 32
 # an output token sampled by the in-flight step, not known yet (only while schedule_ahead runs)
 PENDING_TOKEN = -1
 
+# The host tier's cost model (docs/hicache.md): loading n tokens costs LOAD_LATENCY_S +
+# n * kv_bytes_per_token / load_bandwidth (measured by the worker at start); recomputing them
+# costs n / prefill tokens-per-second (measured on prefill steps of at least
+# PREFILL_SAMPLE_MIN_TOKENS tokens, an exponential average). Until a prefill was measured,
+# loads are taken.
+LOAD_LATENCY_S = 50e-6
+PREFILL_SAMPLE_MIN_TOKENS = 32
+
 
 @dataclass
 class PlannedReq:
@@ -81,8 +89,20 @@ class Scheduler:
         self.kv_cache_dtype, self.quantization = worker.kv_cache_dtype, worker.quantization
         self.eos_ids = set(worker.eos_token_ids)
         self.allocator = PageAllocator(worker.num_pages)
+        # the host tier (--enable-hierarchical-cache): the worker sized and allocated its pool
+        self.host_allocator = None
+        if worker.host_num_pages > 1 and not args.disable_radix_cache:
+            self.host_allocator = PageAllocator(worker.host_num_pages)
+        self.kv_bytes_per_token = worker.kv_bytes_per_token
+        self.load_bandwidth = worker.load_bandwidth
+        self.prefill_tps = 0.0  # measured prefill tokens per second (the cost model's)
         self.cache = make_radix_cache(
-            args.radix_tree_impl, self.page_size, self.allocator, disable=args.disable_radix_cache
+            args.radix_tree_impl,
+            self.page_size,
+            self.allocator,
+            disable=args.disable_radix_cache,
+            host_allocator=self.host_allocator,
+            write_through=args.hicache_write_policy == "write_through",
         )
         self.tree_impl = "python" if isinstance(self.cache, RadixCache) else "cpp"
         self.max_running = args.max_running_requests
@@ -108,6 +128,12 @@ class Scheduler:
         self.jumped_tokens = 0  # output tokens appended by jump-forward (no decode step each)
         self.retractions = 0
         self.integrity_checks = 0
+        self.host_cached_tokens_total = 0
+        self.host_recomputed_tokens = 0
+        self.host_loads = 0
+        self.host_loaded_bytes = 0
+        self.host_written_bytes = 0
+        self.host_load_s = 0.0
         # /metrics: increments since the last report (none with --disable-metrics)
         self.stats = None if args.disable_metrics else SchedulerStats()
         # --kv-events-endpoint: what enters and leaves the tree, as events (kv_events.py)
@@ -115,6 +141,8 @@ class Scheduler:
         if args.kv_events_endpoint and not self.cache.disable:
             self.kv_events = KvEventLog(self.page_size, args.dp_rank)
             self.cache.set_evict_observer(self.kv_events.evicted)
+            if self.host_allocator is not None:
+                self.cache.set_tier_observer(self.kv_events.tier_moved)
 
     # -----------------------------------------------------------------------------------------
     # requests in
@@ -275,11 +303,48 @@ class Scheduler:
 
     def _make_batch(self, plan: list[PlannedReq]) -> ForwardBatch:
         self.step_id += 1
-        return ForwardBatch(
+        batch = ForwardBatch(
             step=self.step_id,
             reqs=[self._forward_req(p) for p in plan],
             released_slots=self._take_released_slots(),
         )
+        if self.host_allocator is not None:
+            self._attach_copies(batch)
+        return batch
+
+    def _attach_copies(self, batch: ForwardBatch) -> None:
+        """The host tier's copies the tree queued since the last batch: the worker makes them
+        before this step's model runs (writes, then loads), so a load is in place before any
+        step reads it and a write has read its device pages before a step reuses them."""
+        copies = self.cache.take_copies()
+        page_bytes = self.page_size * self.kv_bytes_per_token
+        if copies.writes:
+            src = np.concatenate([c.src for c in copies.writes])
+            batch.write_src = pack_ids(src)
+            batch.write_dst = pack_ids(np.concatenate([c.dst for c in copies.writes]))
+            batch.writes_block = copies.writes_block
+            self.host_written_bytes += len(src) * page_bytes
+        if copies.loads:
+            src = np.concatenate([c.src for c in copies.loads])
+            batch.load_src = pack_ids(src)
+            batch.load_dst = pack_ids(np.concatenate([c.dst for c in copies.loads]))
+            self.host_loads += len(copies.loads)
+            self.host_loaded_bytes += len(src) * page_bytes
+
+    def _load_pays(self, tokens: int) -> bool:
+        """Whether loading `tokens` tokens from the host is faster than computing them."""
+        if self.prefill_tps <= 0 or self.load_bandwidth <= 0:
+            return True
+        load_s = LOAD_LATENCY_S + tokens * self.kv_bytes_per_token / self.load_bandwidth
+        return load_s <= tokens / self.prefill_tps
+
+    def _observe_step(self, plan: list[PlannedReq], result: ForwardResult) -> None:
+        """Feed the cost model: prefill throughput of this step, and the loads' time."""
+        self.host_load_s += result.load_s
+        tokens = sum(p.num_tokens for p in plan if p.num_tokens > 1)
+        if tokens >= PREFILL_SAMPLE_MIN_TOKENS and result.forward_s > 0:
+            tps = tokens / result.forward_s
+            self.prefill_tps = tps if self.prefill_tps <= 0 else 0.8 * self.prefill_tps + 0.2 * tps
 
     # -----------------------------------------------------------------------------------------
     # the overlap schedule: one step ahead
@@ -447,26 +512,31 @@ class Scheduler:
             if computing is None:
                 computing = self._computing_uncached(shared_with)
             match = self._match(req)
-            if self._shares_uncached_prefix(req, match.length, computing):
+            # NOTE: the C++ tree's matches have no host fields (it has no host tier)
+            host_len = match.host_length if self.host_allocator is not None else 0
+            if self._shares_uncached_prefix(req, match.length + host_len, computing):
                 continue
-            self.cache.lock(match.node)
-            req.node = match.node
-            req.pages = PageRow(match.pages)
-            req.tree_pages = len(req.pages)
-            req.kv_len = match.length
+            loaded = self._lock_match(req, match, budget, reserve)
             n = min(budget, req.remaining_fill)
             if not self._grow_pages(req, req.kv_len + n, reserve):
                 self.cache.unlock(req.node)
                 req.node, req.pages, req.tree_pages, req.kv_len = None, PageRow(), 0, 0
                 break
             if req.cached_tokens < 0:
-                req.cached_tokens = match.length
+                req.cached_tokens = match.length + loaded
+                req.host_cached_tokens = loaded
                 self.prompt_tokens_total += len(req.prompt)
-                self.cached_tokens_total += match.length
+                self.cached_tokens_total += match.length + loaded
+                self.host_cached_tokens_total += loaded
+                if host_len and not loaded:
+                    self.host_recomputed_tokens += host_len
                 req.admitted_at = time.perf_counter()
                 if self.stats is not None:
                     self.stats.admitted(
-                        len(req.prompt), match.length, req.admitted_at - req.arrived_at
+                        len(req.prompt),
+                        match.length + loaded,
+                        req.admitted_at - req.arrived_at,
+                        host_cached_tokens=loaded,
                     )
             req.slot = self.free_slots.pop()
             req.sent_pages = 0
@@ -477,6 +547,38 @@ class Scheduler:
             sample = req.kv_len + n == req.all_len and not req.prefill_only
             plan.append(PlannedReq(req, n, sample))
             budget -= n
+
+    def _lock_match(self, req: Req, match, budget: int, reserve: int) -> int:
+        """Lock `match` for `req` and set its pages and kv_len. A match that runs on into the
+        host tier is loaded back (device pages for it, the copies queued for the next batch)
+        when the load beats recomputing and the pool has the pages for it and for the first
+        chunk; else the request computes those tokens. Returns the tokens loaded."""
+        ps = self.page_size
+        host_len = match.host_length if self.host_allocator is not None else 0
+        if host_len:
+            load_pages = host_len // ps
+            kv_after = match.length + host_len
+            first_chunk = min(budget, req.all_len - kv_after)
+            chunk_pages = math.ceil((kv_after + first_chunk) / ps) - len(match.pages) - load_pages
+            self.cache.lock(match.host_node)
+            if self._load_pays(host_len) and (
+                self._available_pages() - reserve >= load_pages + max(chunk_pages, 0)
+            ):
+                pages = self._take_pages(load_pages)
+                assert pages is not None, "pages were counted as available"
+                self.cache.load_back(match.host_node, pages)
+                req.node = match.host_node
+                req.pages = PageRow(np.concatenate([match.pages, pages]))
+                req.tree_pages = len(req.pages)
+                req.kv_len = match.length + host_len
+                return host_len
+            self.cache.unlock(match.host_node)
+        self.cache.lock(match.node)
+        req.node = match.node
+        req.pages = PageRow(match.pages)
+        req.tree_pages = len(req.pages)
+        req.kv_len = match.length
+        return 0
 
     def _computing_uncached(self, shared_with: list[Req]) -> list[Req]:
         """The requests computing prompt tokens that are not in the tree yet: `shared_with` and
@@ -579,6 +681,8 @@ class Scheduler:
 
     def process_result(self, plan: list[PlannedReq], result: ForwardResult) -> None:
         outputs = self.outbox
+        if self.host_allocator is not None:
+            self._observe_step(plan, result)
         for p, res in zip(plan, result.results):
             req = p.req
             if req.state is not ReqState.RUNNING:
@@ -591,7 +695,10 @@ class Scheduler:
                 )
             req.kv_len += p.num_tokens
             out = ReqOutput(
-                rid=req.rid, prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens
+                rid=req.rid,
+                prompt_tokens=len(req.prompt),
+                cached_tokens=req.cached_tokens,
+                host_cached_tokens=req.host_cached_tokens,
             )
             has_news = False
             if res.prompt_logprobs:
@@ -677,6 +784,7 @@ class Scheduler:
             finish_reason=reason,
             prompt_tokens=len(req.prompt),
             cached_tokens=max(req.cached_tokens, 0),
+            host_cached_tokens=req.host_cached_tokens,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -798,6 +906,8 @@ class Scheduler:
         nodes = cache.stats()["nodes"]
         events_before = len(self.kv_events.pending) if self.kv_events is not None else 0
         dropped = cache.evict(cache.evictable_pages) if cache.evictable_pages else 0
+        if self.host_allocator is not None:  # what eviction kept on the host goes too
+            cache.evict_host(cache.host_evictable_pages)
         if self.kv_events is not None:
             self.kv_events.flushed(events_before)
         return FlushCacheDone(
@@ -820,6 +930,24 @@ class Scheduler:
             cached_tokens=self.cached_tokens_total,
             prompt_tokens=prompt,
             tree=self.tree_impl,
+            **self._host_stats(),
+        )
+
+    def _host_stats(self) -> dict:
+        host = self.host_allocator
+        if host is None:
+            return {}
+        return dict(
+            host_total_pages=host.total_pages,
+            host_free_pages=host.free_pages,
+            host_evictable_pages=self.cache.host_evictable_pages,
+            host_cached_tokens=self.host_cached_tokens_total,
+            host_loads=self.host_loads,
+            host_loaded_bytes=self.host_loaded_bytes,
+            host_written_bytes=self.host_written_bytes,
+            host_load_s=self.host_load_s,
+            host_recomputed_tokens=self.host_recomputed_tokens,
+            host_load_bandwidth=self.load_bandwidth,
         )
 
     def grammar_stats(self) -> GrammarStats | None:

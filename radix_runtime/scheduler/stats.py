@@ -46,16 +46,21 @@ class SchedulerStats:
     def _zero_counters(self) -> None:
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.host_cached_tokens = 0
         self.generation_tokens = 0
         self.retractions = 0
         self.evicted_pages = 0
 
     # -- recording (called by the scheduler) ---------------------------------------------
 
-    def admitted(self, prompt_tokens: int, cached_tokens: int, queued_s: float) -> None:
-        """A request's first admission (a retried one is not counted again)."""
+    def admitted(
+        self, prompt_tokens: int, cached_tokens: int, queued_s: float, host_cached_tokens: int = 0
+    ) -> None:
+        """A request's first admission (a retried one is not counted again); of its
+        `cached_tokens`, `host_cached_tokens` were loaded from the host tier."""
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
+        self.host_cached_tokens += host_cached_tokens
         self.hist["queue_time"].observe(queued_s)
 
     def first_token(self, prefill_s: float) -> None:
@@ -84,6 +89,7 @@ class SchedulerStats:
             tree_nodes=cache.stats()["nodes"],
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
+            host_cached_tokens=self.host_cached_tokens,
             generation_tokens=self.generation_tokens,
             retractions=self.retractions,
             evicted_pages=self.evicted_pages,

@@ -506,6 +506,10 @@ class _Api:
         P.check_model(req.model, limits)
         if req.suffix:
             raise ApiError("suffix is not supported", param="suffix", code="unsupported_value")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(
+                "best_of other than n is not supported", param="best_of", code="unsupported_value"
+            )
         max_tokens, max_param = P.openai_max_tokens(req, minimum=0 if req.echo else 1)
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_TOP_LOGPROBS:
             raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
@@ -566,6 +570,7 @@ class _Api:
     ) -> tuple[list[P.GenerateInput], P.NativeRenderer]:
         """Validate a /generate request (also used by the offline Engine, without `request`)."""
         limits = self.limits
+        P.check_unsupported_native_fields(req)
         if (req.text is None) == (req.input_ids is None):
             raise ApiError("give exactly one of 'text' and 'input_ids'", param="text")
         param = "text" if req.text is not None else "input_ids"

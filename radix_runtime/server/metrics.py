@@ -108,6 +108,16 @@ class Metrics:
         self.cached_tokens = counter(
             "cached_tokens", "Prompt tokens read from the radix cache instead of computed"
         )
+        self._cached_by_tier = Counter(
+            PREFIX + "cached_tokens_by_tier",
+            "cached_tokens by where their KV was: on the device, or loaded from the host tier "
+            "(--enable-hierarchical-cache)",
+            ["model_name", "tier"],
+            registry=registry,
+        )
+        self.cached_by_tier = {
+            t: self._cached_by_tier.labels(model_name, t) for t in ("device", "host")
+        }
         self.generation_tokens = counter("generation_tokens", "Output tokens sampled")
         self.retractions = counter(
             "num_retractions", "Running requests retracted (preempted) under memory pressure"
@@ -164,6 +174,8 @@ class Metrics:
     def apply(self, msg: SchedulerMetrics) -> None:
         self.prompt_tokens.inc(msg.prompt_tokens)
         self.cached_tokens.inc(msg.cached_tokens)
+        self.cached_by_tier["device"].inc(msg.cached_tokens - msg.host_cached_tokens)
+        self.cached_by_tier["host"].inc(msg.host_cached_tokens)
         self.generation_tokens.inc(msg.generation_tokens)
         self.retractions.inc(msg.retractions)
         self.evicted_pages.inc(msg.evicted_pages)

@@ -79,6 +79,7 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier (docs/hicache.md)
     output_logprobs: list[float] = []  # one per id in ``ids`` (when return_logprob)
     output_top_logprobs: list[list[tuple[int, float]]] | None = None  # per id: [(id, logprob)]
     prompt_logprobs: list[float] | None = None
@@ -220,11 +221,13 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None  # only best_of == n (or absent): nothing to pick the best by
     response_format: ResponseFormat | None = None
 
 
 class NativeSamplingParams(SamplingFields, kw_only=True):
     max_new_tokens: int | None = None
+    n: int | None = None  # SGLang's parallel sampling: refused unless 1 (send a batch instead)
     min_new_tokens: int | None = None  # SGLang's native name of min_tokens
 
 
@@ -239,6 +242,46 @@ class NativeGenerateRequest(_Request, kw_only=True):
     rid: str | list[str] | None = None
     cache_salt: str | None = None
     extra_key: str | None = None
+    # SGLang fields that change what the model must do and that are not implemented: a 400
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: bool = False
+
+
+UNSUPPORTED_NATIVE_FIELDS = (
+    ("image_data", "this server serves text models"),
+    ("audio_data", "this server serves text models"),
+    ("video_data", "this server serves text models"),
+    ("lora_path", "LoRA adapters are not implemented"),
+    ("session_params", "sessions are not implemented"),
+    ("custom_logit_processor", "custom logit processors are not implemented"),
+)
+
+
+def check_unsupported_native_fields(req: NativeGenerateRequest) -> None:
+    """A /generate field we would otherwise ignore while the client relies on it is a 400."""
+    for name, why in UNSUPPORTED_NATIVE_FIELDS:
+        if getattr(req, name) is not None:
+            raise ApiError(
+                f"{name} is not supported ({why})", param=name, code="unsupported_parameter"
+            )
+    if req.return_hidden_states:
+        raise ApiError(
+            "return_hidden_states is not supported",
+            param="return_hidden_states",
+            code="unsupported_parameter",
+        )
+    sp = req.sampling_params
+    if sp is not None and sp.n not in (None, 1):
+        raise ApiError(
+            "sampling_params.n is not supported: send the prompt n times in a batch",
+            param="sampling_params.n",
+            code="unsupported_parameter",
+        )
 
 
 def decode_request(body: bytes, type_: type) -> Any:
@@ -490,8 +533,12 @@ def _response_format_schema(rf: ResponseFormat) -> str | None:
     )
 
 
+# what SGLang's router puts in a chat request that came without a model
+ROUTER_NO_MODEL = "unknown"
+
+
 def check_model(model: str | None, limits: ModelLimits) -> None:
-    if model and model != limits.model_name:
+    if model and model != limits.model_name and model != ROUTER_NO_MODEL:
         raise ApiError(
             f"the model '{model}' does not exist; this server serves '{limits.model_name}'",
             status=404,
@@ -700,6 +747,7 @@ class ChoiceState:
         "matched_stop",
         "completion_tokens",
         "cached_tokens",
+        "host_cached_tokens",
     )
 
     def __init__(self, index: int, rid: str, input_ids: list[int]) -> None:
@@ -716,6 +764,7 @@ class ChoiceState:
         self.matched_stop: int | str | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.host_cached_tokens = 0
 
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.text:
@@ -732,6 +781,7 @@ class ChoiceState:
             self.matched_stop = chunk.matched_stop
         self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens, len(self.ids))
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self.host_cached_tokens = max(self.host_cached_tokens, chunk.host_cached_tokens)
 
     @property
     def full_text(self) -> str:
@@ -855,6 +905,9 @@ def native_output(state: ChoiceState, inp: GenerateInput) -> dict:
         "prompt_tokens": state.prompt_tokens,
         "completion_tokens": state.completion_tokens,
         "cached_tokens": state.cached_tokens,
+        # the prefix's tiers: device_cached_tokens + host_cached_tokens == cached_tokens
+        "device_cached_tokens": state.cached_tokens - state.host_cached_tokens,
+        "host_cached_tokens": state.host_cached_tokens,
         "finish_reason": _finish_info(state),
     }
     if inp.return_logprob:

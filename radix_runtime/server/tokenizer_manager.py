@@ -342,6 +342,7 @@ class TokenizerManager:
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=completion_tokens,
                 cached_tokens=out.cached_tokens,
+                host_cached_tokens=out.host_cached_tokens,
             )
             if inp.return_logprob and any(t.logprob is not None for t in released):
                 chunk.output_logprobs = [t.logprob for t in released]

@@ -178,8 +178,11 @@ def _store_kv_kernel(
     v_ptr,
     k_stride,
     v_stride,
+    k_inv_scale,
+    v_inv_scale,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # one program per token: K and V rows (kv_heads * head_dim each) to the token's location
     t = tl.program_id(0).to(tl.int64)
@@ -188,6 +191,9 @@ def _store_kv_kernel(
     mask = offs < ROW
     k = tl.load(k_ptr + t * k_stride + offs, mask=mask)
     v = tl.load(v_ptr + t * v_stride + offs, mask=mask)
+    if FP8:  # x / scale, clamped to e4m3's finite range (no inf in e4m3fn), rounded to FP8
+        k = tl.clamp(k.to(tl.float32) * k_inv_scale, -448.0, 448.0).to(k_cache_ptr.dtype.element_ty)
+        v = tl.clamp(v.to(tl.float32) * v_inv_scale, -448.0, 448.0).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + loc * ROW + offs, k, mask=mask)
     tl.store(v_cache_ptr + loc * ROW + offs, v, mask=mask)
 
@@ -198,10 +204,12 @@ def store_kv(
     loc: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """k_cache/v_cache: one layer's pool buffers (any shape whose rows are [kv_heads, head_dim],
     contiguous); loc [N] flat locations; k/v [N, kv_heads, head_dim] with each row contiguous
-    (v may be a strided view into the qkv projection)."""
+    (v may be a strided view into the qkv projection). An FP8 pool stores x / scale."""
     n = k.shape[0]
     if n == 0:
         return
@@ -219,8 +227,11 @@ def store_kv(
         v,
         k.stride(0),
         v.stride(0),
+        1.0 / k_scale,
+        1.0 / v_scale,
         ROW=row,
         BLOCK=triton.next_power_of_2(row),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )
 
@@ -231,9 +242,14 @@ def store_kv_torch(
     loc: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """The reference: two index_put_ writes into the flat [slots, kv_heads, head_dim] views."""
     flat = (-1, k.shape[1], k.shape[2])
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k = (k.float() / k_scale).clamp(-448.0, 448.0).to(k_cache.dtype)
+        v = (v.float() / v_scale).clamp(-448.0, 448.0).to(v_cache.dtype)
     k_cache.view(flat)[loc] = k
     v_cache.view(flat)[loc] = v
 
@@ -262,9 +278,11 @@ def _gemv_fused_kernel(
     w_ptr,
     y_ptr,
     norm_ptr,
+    scale_ptr,
     N,
     K,
     eps,
+    SCALED: tl.constexpr,  # W is FP8 with one float32 scale per row (scale_ptr)
     PROLOGUE: tl.constexpr,  # GEMV_PLAIN x | GEMV_NORM rmsnorm(x) * norm | GEMV_SILU silu(x[:K]) * x[K:]
     ADD: tl.constexpr,  # y += W . x (y is the residual stream) instead of y = W . x
     BLOCK_N: tl.constexpr,
@@ -306,6 +324,8 @@ def _gemv_fused_kernel(
                     x = x * tl.load(norm_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    if SCALED:
+        y = y * tl.load(scale_ptr + rn, mask=row_ok, other=0.0)
     if PROLOGUE == 1:
         y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     if ADD:
@@ -352,10 +372,13 @@ def gemv(
     silu: bool = False,
     add_to: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One row: y = W . f(x), W [N, K] contiguous, where f(x) is x; rmsnorm(x) * norm_weight
     (`norm_weight` given; x [1, K]); or silu(x[:, :K]) * x[:, K:] (`silu`; x [1, 2K]).
-    With `add_to` ([1, N]) the product is added into it in place and it is returned."""
+    With `add_to` ([1, N]) the product is added into it in place and it is returned.
+    An FP8 W comes with `w_scale` (float32 [N], one per row): the weight stream is half of
+    bf16's bytes, widened in registers; x stays in its dtype (W8A16 at batch 1)."""
     n, k = weight.shape
     if x.shape[0] != 1 or not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError("gemv takes one contiguous input row and a contiguous weight")
@@ -372,14 +395,20 @@ def gemv(
         y = add_to
     key = (n, k, prologue, add_to is not None)
     block_n, block_k, warps = config or GEMV_CONFIGS.get(key, GEMV_DEFAULT_CONFIG[prologue])
+    if w_scale is not None and config is None:
+        # FP8 rows are half as many bytes: twice the rows per program keeps each program's
+        # loads the size the bf16 sweep chose
+        block_n *= FP8_GEMV_ROWS_FACTOR
     _gemv_fused_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         y,
         x if norm_weight is None else norm_weight,
+        x if w_scale is None else w_scale,
         n,
         k,
         eps,
+        SCALED=w_scale is not None,
         PROLOGUE=prologue,
         ADD=add_to is not None,
         BLOCK_N=block_n,
@@ -392,6 +421,35 @@ def gemv(
 
 # bench/gpu_worker.py A/B-measures decode with and without it (graphs captured each way)
 USE_TRITON_GEMV = True
+FP8_GEMV_ROWS_FACTOR = 2  # BLOCK_N of an FP8 weight's GEMV over the bf16 table's (bench/quant.py)
+
+
+@triton.jit
+def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, BLOCK: tl.constexpr):
+    # one program per row: scale = max|x| / 448, q = x / scale in e4m3 (one read of x)
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + r * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + r * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + r, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]): the dynamic per-token
+    activation quantization of an FP8 projection in one kernel (torch's is six)."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_fp8_kernel[(m,)](x, q, s, k, x.stride(0), BLOCK=block,
+                                        num_warps=8 if block >= 4096 else 4)  # fmt: skip
+    return q, s
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -409,11 +467,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def project(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """A decoder projection: `linear` for a plain layer, the layer's own forward for a
-    quantized one (worker/quant.py's Fp8Linear, which has a `weight_scale`)."""
-    if hasattr(layer, "weight_scale"):
-        return layer(x)
-    return linear(x, layer.weight, layer.bias)
+    """A decoder projection: `linear` for a plain layer; for an FP8 one (worker/quant.py's
+    Fp8Linear, which has a `weight_scale`) the scaled GEMV at one row, else its own forward
+    (FP8 tensor cores)."""
+    scale = getattr(layer, "weight_scale", None)
+    if scale is None:
+        return linear(x, layer.weight, layer.bias)
+    if USE_TRITON_GEMV and x.shape[0] == 1 and layer.bias is None and x.is_contiguous():
+        return gemv(x, layer.weight, w_scale=scale)
+    return layer(x)
 
 
 def gemv_torch(
@@ -463,6 +525,7 @@ def _decode_split_kernel(
     part_o_ptr,
     part_lse_ptr,
     scale,
+    v_scale,
     window,
     PAGE: tl.constexpr,
     HKV: tl.constexpr,
@@ -495,8 +558,10 @@ def _decode_split_kernel(
         ok = tt < t1
         page = tl.load(kv_indices_ptr + p0 + tt // PAGE, mask=ok, other=0).to(tl.int64)
         off = ((page * PAGE + tt % PAGE) * HKV + h)[:, None] * D + d[None, :]
-        k = tl.load(k_ptr + off, mask=ok[:, None], other=0.0)
-        v = tl.load(v_ptr + off, mask=ok[:, None], other=0.0)
+        # an FP8 pool is widened to q's dtype here (its K scale is folded into `scale`, its V
+        # scale applied to the output)
+        k = tl.load(k_ptr + off, mask=ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + off, mask=ok[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * scale
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, axis=1))
@@ -507,7 +572,7 @@ def _decode_split_kernel(
         m = m_new
     some = den > 0  # an empty split (short sequence) contributes nothing to the merge
     lse = tl.where(some, m + tl.log(tl.where(some, den, 1.0)), float("-inf"))
-    out = acc / tl.where(some, den, 1.0)[:, None]
+    out = acc * v_scale / tl.where(some, den, 1.0)[:, None]
     row = (b * HKV * GROUP + heads) * SPLITS + s
     tl.store(part_o_ptr + row[:, None] * D + d[None, :], out, mask=g_ok[:, None])
     tl.store(part_lse_ptr + row, lse, mask=g_ok)
@@ -542,11 +607,14 @@ def decode_attention(
     scale: float,
     splits: int | None = None,
     window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One new token per request over its paged KV. q [B, H, D]; k_cache/v_cache one layer's
-    pool [pages, page_size, Hkv, D]; kv_indptr [B + 1] / kv_indices (page ids) / last_page_len
-    [B] int32 on the device, as FlashInfer takes them; `window` > 0: only each request's last
-    `window` keys. Returns [B, H, D] in q's dtype."""
+    pool [pages, page_size, Hkv, D] (q's dtype, or FP8 read as value * k_scale / v_scale);
+    kv_indptr [B + 1] / kv_indices (page ids) / last_page_len [B] int32 on the device, as
+    FlashInfer takes them; `window` > 0: only each request's last `window` keys. Returns
+    [B, H, D] in q's dtype."""
     bsz, heads, dim = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = heads // hkv
@@ -558,7 +626,7 @@ def decode_attention(
         return out
     _decode_split_kernel[(bsz, hkv, splits)](
         q.contiguous(), k_cache, v_cache, kv_indptr, kv_indices, last_page_len, part_o, part_lse,
-        scale, window, PAGE=page, HKV=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        scale * k_scale, v_scale, window, PAGE=page, HKV=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=dim, SPLITS=splits, BLOCK_T=32, num_warps=4,
     )  # fmt: skip
     _decode_merge_kernel[(bsz * heads,)](part_o, part_lse, out, D=dim, SPLITS=splits, num_warps=4)
@@ -574,6 +642,8 @@ def decode_attention_torch(
     last_page_len: torch.Tensor,
     scale: float,
     window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The reference, one request at a time, in float32."""
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -582,8 +652,8 @@ def decode_attention_torch(
     for b in range(q.shape[0]):
         pages = kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long()
         seq = (len(pages) - 1) * page + int(last_page_len[b])
-        k = k_cache[pages].reshape(-1, hkv, q.shape[2])[:seq].float()
-        v = v_cache[pages].reshape(-1, hkv, q.shape[2])[:seq].float()
+        k = k_cache[pages].reshape(-1, hkv, q.shape[2])[:seq].float() * k_scale
+        v = v_cache[pages].reshape(-1, hkv, q.shape[2])[:seq].float() * v_scale
         if window:
             k, v = k[-window:], v[-window:]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [T, H, D]

@@ -34,6 +34,7 @@ from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.host_copy import to_device
+from radix_runtime.worker.host_pool import HostKVPool, host_pool_pages, measure_load_bandwidth
 from radix_runtime.worker.kv_pool import KVPool, kv_storage_dtype, num_pages_for
 from radix_runtime.worker.loader import load_model
 from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
@@ -83,6 +84,7 @@ class PendingStep:
     host: list[torch.Tensor] | None = None  # sample.tensors() + prompt logprobs, on the host
     event: torch.cuda.Event | None = None  # recorded after the device-to-host copies
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
+    load: object = None  # the host tier's load timing (HostKVPool.load_time)
 
     def ready(self) -> bool:
         """True when `collect` would not wait (always, off CUDA)."""
@@ -105,6 +107,10 @@ class ModelRunner:
         self.page_size = args.page_size
         self.context_length = args.context_length or c.max_position_embeddings
         self.kv_pool = self._allocate_kv_pool()
+        self.host_pool: HostKVPool | None = None
+        self.load_bandwidth = 0.0
+        if args.enable_hierarchical_cache and not args.disable_radix_cache:
+            self.host_pool = self._allocate_host_pool()
         self.attn = create_backend(
             self._backend_name(),
             c.num_heads,
@@ -247,8 +253,28 @@ class ModelRunner:
             kv_scales=self.kv_scales if kv_dtype != self.dtype else None,
         )
 
+    def _allocate_host_pool(self) -> HostKVPool:
+        c, args = self.config, self.args
+        per_token = KVPool.bytes_per_token(
+            c.num_layers, c.num_kv_heads, c.head_dim, self.kv_pool.dtype
+        )
+        pages = host_pool_pages(self.kv_pool, args.hicache_size, args.hicache_ratio, per_token)
+        pool = HostKVPool(self.kv_pool, pages)
+        self.load_bandwidth = measure_load_bandwidth(self.device)
+        logger.info(
+            "host KV tier: %d pages, %.2f GiB%s; load bandwidth %.1f GB/s",
+            pages, pool.nbytes / 2**30, " pinned" if pool.cuda else "", self.load_bandwidth / 1e9,
+        )  # fmt: skip
+        return pool
+
     def ready_info(self) -> m.WorkerReady:
+        c = self.config
         return m.WorkerReady(
+            host_num_pages=self.host_pool.num_pages if self.host_pool is not None else 0,
+            kv_bytes_per_token=KVPool.bytes_per_token(
+                c.num_layers, c.num_kv_heads, c.head_dim, self.kv_pool.dtype
+            ),
+            load_bandwidth=self.load_bandwidth,
             num_pages=self.kv_pool.num_pages,
             page_size=self.page_size,
             context_length=self.context_length,
@@ -279,6 +305,10 @@ class ModelRunner:
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
+        if batch.write_src or batch.load_src or self.host_pool is not None:
+            # NOTE: with a host tier every step goes through it, copies or not: it also waits
+            # for the previous batch's writes (their device pages may be reused now)
+            pending.load = self._host_copies(batch)
         if not batch.reqs:
             return pending
         reqs = batch.reqs
@@ -312,10 +342,25 @@ class ModelRunner:
             pending.logits = per_req
         return pending
 
+    def _host_copies(self, batch: m.ForwardBatch):
+        """The host tier's copies of this batch, queued before its model (HostKVPool.copy)."""
+        if self.host_pool is None:
+            raise ValueError(
+                "host-tier copies sent to a worker without --enable-hierarchical-cache"
+            )
+        return self.host_pool.copy(
+            m.unpack_ids(batch.write_src),
+            m.unpack_ids(batch.write_dst),
+            m.unpack_ids(batch.load_src),
+            m.unpack_ids(batch.load_dst),
+            batch.writes_block,
+        )
+
     def collect(self, pending: PendingStep) -> m.ForwardResult:
         """Wait for a launched step and pack its result."""
         if pending.event is not None:
             pending.event.synchronize()
+        load_s = HostKVPool.load_time(pending.load) if pending.load is not None else 0.0
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0
@@ -346,7 +391,9 @@ class ModelRunner:
                 results[i].prompt_top_ids = m.pack_ids(top_idx.numpy().reshape(-1))
                 used += 2
         forward_s = time.perf_counter() - pending.t0
-        return m.ForwardResult(step=pending.step, results=results, forward_s=forward_s)
+        return m.ForwardResult(
+            step=pending.step, results=results, forward_s=forward_s, load_s=load_s
+        )
 
     def _copy_to_host(
         self, tensors: list[torch.Tensor]

@@ -103,7 +103,9 @@ def fp8_linear_cuda(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """FP8 tensor cores: row-wise scales on both sides (per token, per output channel)."""
-    xq, xs = quantize_tokens_fp8(x)
+    from radix_runtime.worker import gpu_ops  # Triton: CUDA only
+
+    xq, xs = gpu_ops.quantize_rows_fp8(x)
     return torch._scaled_mm(
         xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), bias=bias, out_dtype=x.dtype
     )

@@ -4,9 +4,11 @@ last ones kill a replica, then stop the whole thing."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 import zmq
 
 pytest.importorskip("sglang_router.router", reason="needs radix_runtime[router] (sglang-router)")
+pytestmark = pytest.mark.slow  # one --dp 2 server: ~60-75 s on an idle 2-core machine
 
 import radix_runtime as rr  # noqa: E402
 from radix_runtime import kv_events as kv  # noqa: E402
@@ -48,6 +51,14 @@ def dp(tmp_path_factory):
         "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
     )  # fmt: skip
+    # the router answers /health as soon as it listens; /readiness once it has both replicas
+    deadline = time.monotonic() + 60
+    while True:
+        r = httpx.get(handle.url + "/readiness", timeout=5)
+        if r.status_code == 200 and r.json().get("healthy_workers") == 2:
+            break
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
     handle.kv_endpoints = [
         (f"tcp://127.0.0.1:{events + i}", f"tcp://127.0.0.1:{replay + i}") for i in range(2)
     ]
@@ -99,8 +110,14 @@ def test_routes_through_the_router(dp):
             "/v1/chat/completions",
             json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
         )
-        assert r.status_code == 400
+        assert r.status_code == 404
         assert r.json()["error"]["code"] == "model_not_found"
+        # a request without a model (the router fills in "unknown") is served
+        r = client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+        assert r.status_code == 200, r.text
         # streaming passes through, event by event
         with client.stream(
             "POST",
@@ -194,6 +211,21 @@ def test_flush_cache_reaches_every_replica(dp):
         assert cache["evictable_pages"] == 0 and cache["free_pages"] == cache["total_pages"]
 
 
+def test_multi_turn_bench_against_the_router(dp, tmp_path):
+    from bench import multi_turn_chat
+
+    out = tmp_path / "dp.json"
+    argv = ["--url", dp.url, "--api-key", KEY, "--dp", "2", "--text", "--clients", "2",
+            "--rounds", "2", "--system-tokens", "24", "--context-tokens", "8",
+            "--user-tokens", "8", "--answer-tokens", "3", "--out", str(out)]  # fmt: skip
+    assert multi_turn_chat.main(argv) == 0
+    result = json.loads(out.read_text())
+    on = result["cache_on"]
+    assert on["errors"] == 0 and on["optimal_hit_rate"] > 0
+    assert on["hit_rate"] >= 0.5 * on["optimal_hit_rate"]
+    assert len(on["replicas"]) == 2  # how the router spread the trace, per replica
+
+
 def test_client_disconnect_aborts_on_the_replica(dp):
     urls = list(replicas(dp))
     with dp.client() as client, client.stream(
@@ -220,6 +252,12 @@ def test_killing_a_replica_keeps_requests_succeeding(dp):
         victim = max(by_url, key=lambda u: replica_info(u)["cache"]["evictable_pages"])
         psutil.Process(by_url[victim]).send_signal(signal.SIGKILL)
         psutil.Process(by_url[victim]).wait(30)
+        # the supervisor notices within 0.2 s and takes it out of the router (in between, a
+        # request routed to it fails: the router does not retry a refused connection)
+        deadline = time.monotonic() + 30
+        while f"removed {victim} from the router" not in dp.log():
+            assert time.monotonic() < deadline, dp.log()
+            time.sleep(0.1)
         turns = conversation(client, "Hal", 3)  # the router moves Hal to the survivor
         assert turns[2][1] >= turns[1][0], turns
         for _ in range(4):
@@ -228,10 +266,29 @@ def test_killing_a_replica_keeps_requests_succeeding(dp):
     assert re.search(r"replica \d \(" + re.escape(victim) + r"\) exited", dp.log())
 
 
-def test_sigterm_stops_every_process(dp):
+def test_sigterm_drains_then_stops_every_process(dp):
     children = psutil.Process(dp.proc.pid).children(recursive=True)
     assert any("router" in " ".join(p.cmdline()) for p in children)
-    dp.proc.send_signal(signal.SIGTERM)
+    alive = [url for url, pid in replicas(dp).items() if psutil.pid_exists(pid)]
+    result = {}
+
+    def generate() -> None:
+        with dp.client() as client:
+            body = {"text": "Once upon a time", "sampling_params": {
+                "max_new_tokens": 24, "ignore_eos": True}}  # fmt: skip
+            result["response"] = client.post("/generate", json=body)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not any(replica_info(u)["running_requests"] for u in alive):
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.1)
+    dp.proc.send_signal(signal.SIGTERM)  # while the request runs: it finishes, then all stop
+    thread.join(60)
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["meta_info"]["completion_tokens"] == 24
     assert dp.proc.wait(60) == 0
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, alive

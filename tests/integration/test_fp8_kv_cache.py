@@ -59,3 +59,26 @@ def test_fp8_kv_greedy_cache_on_equals_off(checkpoint, page_size):
     assert on == off
     assert sched.cached_tokens_total > 100
     assert sched.server_info().kv_cache_dtype == "fp8_e4m3"
+
+
+def test_fp8_kv_host_tier_stores_fp8_and_keeps_outputs():
+    """With the host tier under an FP8 device pool: the host pages are FP8 too (the pool's dtype),
+    and greedy outputs with evicted histories loaded back equal the cache-off outputs."""
+    from test_hicache_equivalence import conversations
+
+    from radix_runtime.worker.model_runner import ModelRunner
+
+    base = ServerArgs(
+        model="tiny-llama", load_format="dummy", model_config="tiny-llama", page_size=16,
+        max_total_tokens=128, chunked_prefill_size=32, max_running_requests=3, device="cpu",
+        disable_overlap_schedule=True, kv_cache_dtype="fp8_e4m3",
+    )  # fmt: skip
+    tiered = base.replace(enable_hierarchical_cache=True, hicache_ratio=8.0)
+    runner = ModelRunner(tiered)
+    assert runner.host_pool.buffer.dtype == torch.float8_e4m3fn
+    prompts, arrivals = conversations(runner.ready_info().vocab_size)
+    greedy = m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    on, sched = run(runner, tiered, prompts, greedy, arrivals)
+    assert on == off
+    assert sched.host_cached_tokens_total > 0

@@ -193,3 +193,26 @@ def test_tokenize_detokenize_and_tokenizer_info():
     err = client.post("/tokenize", json={"prompt": "a", "model": "other"})
     assert_error(err, 404, code="model_not_found")
     assert client.get("/tokenizer_info").status_code == 200
+
+
+# ---- fields we do not implement are refused by name, not ignored
+
+
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        ("/generate", {"image_data": "abc"}, "image_data"),
+        ("/generate", {"lora_path": "adapter"}, "lora_path"),
+        ("/generate", {"session_params": {"id": "s"}}, "session_params"),
+        ("/generate", {"return_hidden_states": True}, "return_hidden_states"),
+        ("/generate", {"sampling_params": {"n": 2}}, "sampling_params.n"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+    ],
+)
+def test_unimplemented_fields_are_400(path, extra, param):
+    manager = FakeManager()
+    body = {"text": "x"} if path == "/generate" else {"prompt": "x"}
+    assert_error(make_client(manager).post(path, json={**body, **extra}), 400, param=param)
+    assert manager.inputs == []
+    ok = {**body, "sampling_params": {"n": 1}} if path == "/generate" else {**body, "best_of": 1}
+    assert make_client(manager).post(path, json=ok).status_code == 200

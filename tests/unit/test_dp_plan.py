@@ -53,6 +53,7 @@ def test_router_settings():
     assert settings["worker_urls"] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     assert (settings["host"], settings["port"]) == ("0.0.0.0", 8000)
     assert settings["policy"] == "round_robin" and settings["api_key"] == "k"
+    assert settings["balance_abs_threshold"] == 4  # not the router's 64: docs/scaling.md
     router_args = pytest.importorskip("sglang_router.router_args")
     router_args.RouterArgs(**settings)  # every key is one of the router's fields
 
@@ -84,3 +85,41 @@ def test_get_load_in_sglangs_shape():
     # the router asks for the new names first
     assert client.get("/model_info").json() == client.get("/get_model_info").json()
     assert client.get("/server_info").status_code == 200
+
+
+def test_the_routers_placeholder_model_is_no_model():
+    # SGLang's router forwards a chat request without "model" with "unknown" in it
+    client = make_client(FakeManager())
+    body = {"model": "unknown", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    body["model"] = "another-model"
+    assert client.post("/v1/chat/completions", json=body).status_code == 404
+
+
+def test_router_args_go_on_top_of_the_supervisors():
+    pytest.importorskip("sglang_router.router_args")
+    from radix_runtime.dp.router import build_router_args
+
+    args = ServerArgs(dp=2, port=8000)
+    settings = sup.router_settings(args, sup.plan_replicas(args, [], [0, 1], [9001, 9002]))
+    built = build_router_args(settings, "--balance-abs-threshold 4 --cache-threshold 0.5")
+    assert (built.balance_abs_threshold, built.cache_threshold) == (4, 0.5)
+    assert built.health_check_interval_secs == sup.HEALTH_CHECK_INTERVAL_S  # ours stay
+    assert built.worker_urls == settings["worker_urls"] and built.port == 8000
+    with pytest.raises(ValueError, match="--router-args"):
+        build_router_args(settings, "--no-such-flag 1")
+
+
+def test_bad_router_args_fail_before_anything_starts(capsys):
+    pytest.importorskip("sglang_router.router_args")
+    assert sup.run_dp(ServerArgs(dp=2, router_args="--no-such-flag 1")) == 2
+    assert "--router-args" in capsys.readouterr().err
+
+
+def test_router_gets_the_one_key_and_refuses_tenants():
+    args = ServerArgs(dp=2, port=8000, api_key=["k"])  # as argparse gives it
+    plans = sup.plan_replicas(args, [], [0, 1], [1, 2])
+    assert sup.router_settings(args, plans)["api_key"] == "k"
+    for bad in ({"api_key": ["a", "b"]}, {"api_key": "a", "cache_isolation": "api-key"}):
+        with pytest.raises(ValueError, match="one --api-key"):
+            ServerArgs(dp=2, **bad).validate()

@@ -23,6 +23,17 @@ pool's: per layer K and V of [num_pages, page_size, kv_heads, head_dim]):
 
 New K/V are written with the Triton kernel `gpu_ops.store_kv` (one launch for K and V).
 
+An FP8 pool (`--kv-cache-dtype fp8_e4m3`): `store_kv` writes x / scale in e4m3. FlashInfer
+0.5.3's kernels for a bf16 query over FP8 KV failed on the H200 (a CUDA "operation not supported
+on global/shared address space" error from the FA2 prefill path), so FP8 stays out of FlashInfer:
+every decode batch (any size, graphed or not) runs the Triton split-KV kernel, which widens the FP8
+rows in registers (K scale folded into the softmax scale, V scale applied to the output); a
+prefill or mixed batch first gathers the batch's pages of each layer into a bf16 scratch
+(`index_select`, times the layer's scales) and runs the ordinary bf16 prefill wrapper over it,
+planned on page ids 0..P-1 of that scratch. New tokens are stored before the gather, so every
+query sees its own K/V FP8-rounded, as later decode steps and cached prefixes do. Graphs of
+prefill batches are off with an FP8 pool (their fixed buffers assume the pool's page ids).
+
 Sliding-window layers (Mistral, Gemma 3's local layers): every wrapper above exists once per
 distinct window of the model (0 = full attention), planned with FlashInfer's `window_left`
 (window - 1: the keys a query sees besides itself); each layer runs the wrapper of its window.
@@ -57,6 +68,11 @@ FULL_WINDOW_LEFT = 1 << 24
 def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     """Decode on tensor cores when each KV head serves >= 4 query heads (SGLang's rule)."""
     return num_heads // num_kv_heads >= 4
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache[pages] of an FP8 pool, gathered as bytes (index kernels need not know FP8)."""
+    return cache.view(torch.uint8).index_select(0, pages).view(cache.dtype)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -106,6 +122,10 @@ class FlashInferBackend(AttentionBackend):
             if w
         }
         self.kv_dtype: torch.dtype | None = None  # the pool's, known once bound
+        self.q_dtype: torch.dtype | None = None  # the model's (differs from kv_dtype for FP8)
+        self.fp8 = False
+        self.k_scales: list[float] = []
+        self.v_scales: list[float] = []
         self.page_size = 1
         self._active: dict[int, object] = {}  # per window, the wrapper planned for this batch
         # per window: recorded after each plan's copies out of FlashInfer's pinned host
@@ -113,6 +133,8 @@ class FlashInferBackend(AttentionBackend):
         self._plan_copied: dict[int, torch.cuda.Event] = {}
         # or, for a small decode batch, the Triton kernel's index arrays (device tensors)
         self._small_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # an FP8 pool's prefill batch: its page ids, gathered into bf16 scratch per layer
+        self._gather_pages: torch.Tensor | None = None
         self._out_cache_loc: torch.Tensor | None = None
         # CUDA graphs: fixed index buffers and one decode wrapper per captured batch size
         self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
@@ -127,10 +149,16 @@ class FlashInferBackend(AttentionBackend):
         self._extend_bufs: dict[str, torch.Tensor] = {}
 
     def bind_pool(self, kv_pool: KVPool) -> None:
-        if kv_pool.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the flashinfer backend needs fp16 or bf16, not {kv_pool.dtype}")
+        if kv_pool.act_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer backend needs fp16 or bf16, not {kv_pool.act_dtype}")
         super().bind_pool(kv_pool)
+        self.q_dtype = kv_pool.act_dtype
         self.page_size = kv_pool.page_size
+        self.k_scales, self.v_scales = kv_pool.k_scales, kv_pool.v_scales
+        self.fp8 = kv_pool.is_fp8
+        if self.fp8:  # (see the top) FlashInfer runs over bf16 scratch pages only
+            self.kv_dtype = self.q_dtype
+            self.supports_extend_graph = False
 
     # ------------------------------------------------------------------------------------------
     # eager batches
@@ -138,9 +166,14 @@ class FlashInferBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         self._out_cache_loc = meta.out_cache_loc
         self._small_decode = None
-        if meta.is_decode_only and meta.batch_size <= gpu_ops.TRITON_DECODE_MAX_BS:
+        self._gather_pages = None
+        if meta.is_decode_only and (meta.batch_size <= gpu_ops.TRITON_DECODE_MAX_BS or self.fp8):
             self._small_decode = (meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len)
             return
+        page_ids = meta.kv_page_indices
+        if self.fp8:  # the scratch holds the batch's pages in page-table order
+            self._gather_pages = meta.kv_page_indices.long()
+            page_ids = torch.arange(len(page_ids), dtype=torch.int32, device=page_ids.device)
         kv_indptr = torch.from_numpy(meta.kv_indptr_cpu)
         last_page_len = torch.from_numpy(meta.kv_last_page_len_cpu)
         for w in self.windows():
@@ -152,7 +185,7 @@ class FlashInferBackend(AttentionBackend):
                     prefill,
                     torch.from_numpy(meta.qo_indptr_cpu),
                     kv_indptr,
-                    meta.kv_page_indices,
+                    page_ids,
                     last_page_len,
                     causal=True,
                     window=w,
@@ -179,7 +212,7 @@ class FlashInferBackend(AttentionBackend):
             self.head_dim,
             self.page_size,
             sm_scale=self.scale,
-            q_data_type=self.kv_dtype,
+            q_data_type=self.q_dtype,
             kv_data_type=self.kv_dtype,
             window_left=self._window_left(window),
             **extra,
@@ -203,12 +236,17 @@ class FlashInferBackend(AttentionBackend):
         kv_pool: KVPool,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
-        gpu_ops.store_kv(k_cache, v_cache, self._out_cache_loc, k, v)
+        ks, vs = self.k_scales[layer_id], self.v_scales[layer_id]
+        gpu_ops.store_kv(k_cache, v_cache, self._out_cache_loc, k, v, ks, vs)
         window = self.window(layer_id)
         if self._small_decode is not None:
             return gpu_ops.decode_attention(
-                q, k_cache, v_cache, *self._small_decode, self.scale, window=window
-            )
+                q, k_cache, v_cache, *self._small_decode, self.scale, window=window,
+                k_scale=ks, v_scale=vs,
+            )  # fmt: skip
+        if self._gather_pages is not None:  # an FP8 pool: this batch's pages in bf16
+            k_cache = _gather(k_cache, self._gather_pages).to(q.dtype) * ks
+            v_cache = _gather(v_cache, self._gather_pages).to(q.dtype) * vs
         return self._active[window].run(q.contiguous(), (k_cache, v_cache))
 
     # ------------------------------------------------------------------------------------------
@@ -232,7 +270,8 @@ class FlashInferBackend(AttentionBackend):
         page ids on the device); the layers then write K/V at `out_cache_loc`, a fixed buffer
         the graph reads."""
         self._out_cache_loc = out_cache_loc
-        if bs <= gpu_ops.TRITON_DECODE_MAX_BS:  # the Triton kernel reads the buffers themselves
+        self._gather_pages = None
+        if bs <= gpu_ops.TRITON_DECODE_MAX_BS or self.fp8:  # Triton reads the buffers themselves
             n = len(kv_indices)
             upload(self._graph_kv_indptr[: bs + 1], kv_indptr)
             upload(self._graph_kv_last_page_len[:bs], kv_last_page_len)
@@ -244,6 +283,7 @@ class FlashInferBackend(AttentionBackend):
             )
             return
         self._small_decode = None
+        self._gather_pages = None
         for w in self.windows():
             key = bs if w == 0 else (bs, w)  # window 0 keeps the plain key (bench/ reads it)
             wrapper = self._graph_wrappers.get(key)

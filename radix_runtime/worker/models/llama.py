@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
-        row_ok = not (c.qkv_bias or c.o_bias) and self.quantization == "none"
+        row_ok = not (c.qkv_bias or c.o_bias) and self.quantization in ("none", "fp8")
         if h.shape[0] == 1 and ops.ROW_FUSION and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
@@ -182,14 +182,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             qkv = ops.gemv(residual, a.qkv_proj.weight, norm_weight=layer.input_layernorm.weight,
-                           eps=eps)  # fmt: skip
+                           eps=eps, w_scale=_scale(a.qkv_proj))  # fmt: skip
             out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
-            ops.gemv(out, a.o_proj.weight, add_to=residual)
+            ops.gemv(out, a.o_proj.weight, add_to=residual, w_scale=_scale(a.o_proj))
             gate_up = ops.gemv(
                 residual, mlp.gate_up_proj.weight, norm_weight=layer.post_attention_layernorm.weight,
-                eps=eps,
+                eps=eps, w_scale=_scale(mlp.gate_up_proj),
             )  # fmt: skip
-            ops.gemv(gate_up, mlp.down_proj.weight, silu=True, add_to=residual)
+            ops.gemv(gate_up, mlp.down_proj.weight, silu=True, add_to=residual,
+                     w_scale=_scale(mlp.down_proj))  # fmt: skip
         return ops.rmsnorm(residual, self.model.norm.weight, eps)
 
     def _attend(
@@ -258,6 +259,11 @@ class LlamaForCausalLM(nn.Module):
             param.data = tensor
         else:
             dst.copy_(tensor)
+
+
+def _scale(layer: nn.Module) -> torch.Tensor | None:
+    """An FP8 projection's per-row weight scale (None for a plain one)."""
+    return getattr(layer, "weight_scale", None)
 
 
 def fused_name(name: str) -> tuple[str, str | int | None]:

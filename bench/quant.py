@@ -1,0 +1,162 @@
+"""Quantized serving on the GPU: bf16 beside FP8 weights (and the FP8 KV cache) in one run.
+
+Drives `ModelRunner` in-process (as bench/gpu_worker.py does, with its `Bench` driver): Llama-3.1-8B
+shape, dummy weights. Per variant (`bf16`; `fp8` = `--quantization fp8`; `fp8_kv` = bf16 weights
+with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
+- decode at batch 1 over a 1,024-token context, the worker's overlapped schedule with its CUDA
+  graph (`decode_bs1_ms`, tok/s) and the graph replay alone; the weight bytes each step reads over
+  that time as a fraction of the read-bandwidth ceiling (`read_TBps`, bench/gpu_worker.py's
+  streaming GEMV on the LM head's shape, measured in the same run): each variant's own roofline,
+  since its weights have their own size;
+- prefill of 8,192 tokens in one chunk (wall ms);
+- KV bytes per token (the pool's capacity in a fixed memory budget is inversely proportional);
+- the FP8 GEMV's rows per program against the bf16 GEMV on the two largest projections.
+Ratios against bf16 (`*_vs_bf16`) are what the goals are set on: decode FP8 >= 1.8x, prefill 8K
+FP8 >= 1.6x.
+
+    python bench/quant.py --out docs/results/h200_quant.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import provenance, write_json
+from bench.gpu_worker import (
+    Bench,
+    cuda_time_ms,
+    read_bandwidth_TBps,
+    weight_bytes_per_decode_step,
+)
+from radix_runtime.config import ServerArgs
+from radix_runtime.worker.kv_pool import KVPool
+from radix_runtime.worker.model_runner import ModelRunner
+
+VARIANTS = {
+    "bf16": {},
+    "fp8": {"quantization": "fp8"},
+    "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+}
+
+
+class QuantBench(Bench):
+    def fill_random_kv(self, first_page: int, end_page: int) -> None:
+        """Random K/V (an FP8 pool has no normal_: drawn in bf16, then cast)."""
+        for buf in self.runner.kv_pool.k_buffers + self.runner.kv_pool.v_buffers:
+            part = buf[first_page:end_page]
+            part.copy_(torch.randn(part.shape, device=part.device, dtype=torch.bfloat16))
+
+
+def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
+    t0 = time.perf_counter()
+    runner = ModelRunner(
+        ServerArgs(
+            model=args.model,
+            load_format="dummy",
+            context_length=16384,
+            max_total_tokens=args.prefill_tokens + 2 * args.context + 4096,
+            max_running_requests=8,
+            cuda_graph_max_bs=1,
+            cuda_graph_max_extend_tokens=0,
+            **flags,
+        )
+    )
+    out = {"flags": flags, "init_s": time.perf_counter() - t0, "quantization": runner.quantization}
+    out["kv_cache_dtype"] = runner.kv_pool.kv_cache_dtype
+    c = runner.config
+    out["kv_bytes_per_token"] = KVPool.bytes_per_token(
+        c.num_layers, c.num_kv_heads, c.head_dim, runner.kv_pool.dtype
+    )
+    bench = QuantBench(runner)
+    w_bytes = weight_bytes_per_decode_step(runner)
+    ms = bench.decode_overlapped(1, args.context)
+    out.update(weight_GB_per_decode_step=w_bytes / 1e9, decode_bs1_ms=ms, decode_bs1_tok_s=1e3 / ms)
+    out["decode_bs1_read_bw_fraction"] = w_bytes / (ms * 1e-3) / 1e12 / read_tbps
+    if runner.cuda_graphs is not None and 1 in runner.cuda_graphs.graphs:
+        graph_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
+        out["decode_bs1_graph_ms"] = graph_ms
+        out["decode_bs1_graph_read_bw_fraction"] = w_bytes / (graph_ms * 1e-3) / 1e12 / read_tbps
+    out[f"prefill_{args.prefill_tokens}_ms"] = bench.prefill(args.prefill_tokens, 1, 3)
+    del bench, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(name, {k: v for k, v in out.items() if not isinstance(v, dict)}, flush=True)
+    return out
+
+
+def gemv_fp8_sweep() -> dict:
+    """The FP8 GEMV's rows per program (`FP8_GEMV_ROWS_FACTOR` x the bf16 table's BLOCK_N) on the
+    two largest 8B projections, against the bf16 GEMV on the same shape: us and weight TB/s."""
+    out = {f"{n}x{k}": _gemv_case(n, k) for n, k in ((28672, 4096), (4096, 14336))}
+    torch.cuda.empty_cache()
+    print("gemv", out, flush=True)
+    return out
+
+
+def _gemv_case(n: int, k: int) -> dict:
+    from radix_runtime.worker import gpu_ops
+
+    base = gpu_ops.GEMV_CONFIGS.get((n, k, gpu_ops.GEMV_PLAIN, False), (4, 1024, 4))
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    scale = w16.float().abs().amax(1) / 448.0
+    w8 = (w16.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    bf16_ms = cuda_time_ms(lambda: gpu_ops.gemv(x, w16), 5, 50)
+    case = {"bf16_us": bf16_ms * 1e3, "bf16_TBps": 2 * n * k / (bf16_ms * 1e-3) / 1e12}
+    for f in (1, 2, 4):
+        cfg = (base[0] * f, base[1], base[2])
+        ms = cuda_time_ms(lambda c=cfg: gpu_ops.gemv(x, w8, w_scale=scale, config=c), 5, 50)
+        case[f"fp8_rows_x{f}_us"] = ms * 1e3
+        case[f"fp8_rows_x{f}_TBps"] = n * k / (ms * 1e-3) / 1e12
+    return case
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--prefill-tokens", type=int, default=8192)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--no-sweep", action="store_true", help="skip the FP8 GEMV block sweep")
+    p.add_argument("--out")
+    args = p.parse_args()
+    read_tbps = read_bandwidth_TBps()
+    results: dict = {
+        "provenance": provenance({"read_TBps": read_tbps, "reference": "bf16, same run"}),
+        "device": torch.cuda.get_device_name(),
+        "model": args.model,
+        "read_TBps": read_tbps,
+        "variants": {},
+    }
+    if not args.no_sweep:
+        results["gemv_fp8"] = gemv_fp8_sweep()
+    for name in args.variants.split(","):
+        results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
+        if args.out:  # what was measured so far survives a later failure
+            write_json(args.out, results)
+    base = results["variants"].get("bf16")
+    pre = f"prefill_{args.prefill_tokens}_ms"
+    for name, v in results["variants"].items():
+        if base is not None and name != "bf16":
+            v["decode_bs1_vs_bf16"] = base["decode_bs1_ms"] / v["decode_bs1_ms"]
+            v[f"{pre.removesuffix('_ms')}_vs_bf16"] = base[pre] / v[pre]
+            v["kv_tokens_vs_bf16"] = base["kv_bytes_per_token"] / v["kv_bytes_per_token"]
+    if args.out:
+        write_json(args.out, results)
+    print(
+        {n: {k: v[k] for k in v if k.endswith("vs_bf16")} for n, v in results["variants"].items()}
+    )
+
+
+if __name__ == "__main__":
+    main()

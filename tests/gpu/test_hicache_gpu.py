@@ -1,0 +1,91 @@
+"""The host tier's copies on CUDA (worker/host_pool.py): pinned pool, side stream, events; the
+copies of a batch are ordered after the compute stream's earlier work and before the step's.
+The end-to-end check (outputs with the tier == without) is the CPU suite's
+test_hicache_equivalence run with device="cuda" below."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from radix_runtime.worker.host_pool import HostKVPool, measure_load_bandwidth  # noqa: E402
+from radix_runtime.worker.kv_pool import KVPool  # noqa: E402
+
+
+def _pools(page_size=16, num_pages=64, host_pages=128):
+    dev = KVPool(4, num_pages, page_size, 2, 64, torch.bfloat16, torch.device("cuda"))
+    for buf in dev.k_buffers + dev.v_buffers:
+        buf.normal_()
+    return dev, HostKVPool(dev, host_pages)
+
+
+def test_host_pool_is_pinned_and_copies_round_trip():
+    dev, host = _pools()
+    assert host.buffer.is_pinned()
+    src = np.array([3, 7, 8, 20], np.int32)
+    before = [b[torch.from_numpy(src).long().cuda()].clone() for b in dev.k_buffers]
+    host.copy(
+        src, np.array([1, 2, 3, 4], np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32), True
+    )
+    for b in dev.k_buffers:  # the step overwrites the written pages: the write waited for it
+        b[torch.from_numpy(src).long().cuda()] = 0
+    handle = host.copy(
+        np.zeros(0, np.int32), np.zeros(0, np.int32),
+        np.array([1, 2, 3, 4], np.int32), np.array([30, 31, 32, 33], np.int32), False,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    for b, want in zip(dev.k_buffers, before):
+        assert torch.equal(b[30:34], want)
+    assert HostKVPool.load_time(handle) > 0
+
+
+def test_a_load_is_ordered_after_earlier_work_on_its_pages():
+    """A long kernel on the compute stream writes a page, then the batch loads into that page:
+    the load must land after (the side stream waits for the compute stream)."""
+    dev, host = _pools()
+    host.buffer.fill_(1.0)
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        big = big @ big / 64  # keep the compute stream busy
+    page = dev.k_buffers[0][5]
+    page.copy_((big[0, 0] * 0 + 7).expand(page.shape))  # 7, written after the matmuls, no sync
+    host.copy(np.zeros(0, np.int32), np.zeros(0, np.int32), np.array([9], np.int32),
+              np.array([5], np.int32), False)  # fmt: skip
+    dev.k_buffers[0][5].add_(1)  # the step reading it runs after the load
+    torch.cuda.synchronize()
+    assert torch.all(dev.k_buffers[0][5] == 2)  # 8 if the load had landed before the 7
+
+
+def test_pinned_bandwidth_is_measured():
+    assert measure_load_bandwidth(torch.device("cuda"), 64 << 20) > 1e9
+
+
+def test_outputs_with_the_host_tier_on_cuda(monkeypatch):
+    pytest.importorskip("flashinfer")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    import test_cache_equivalence as eq
+    import test_hicache_equivalence as hq
+
+    from radix_runtime import messages as m
+    from radix_runtime.config import ServerArgs
+    from radix_runtime.worker.model_runner import ModelRunner
+
+    base = ServerArgs(model="tiny-llama", load_format="dummy", model_config="tiny-llama",
+                      max_total_tokens=64, chunked_prefill_size=32, max_running_requests=3,
+                      device="cuda", disable_cuda_graph=True)  # fmt: skip
+    tiered = base.replace(enable_hierarchical_cache=True, hicache_ratio=8.0)
+    runner, tiered_runner = ModelRunner(base), ModelRunner(tiered)
+    prompts, arrivals = hq.conversations(runner.ready_info().vocab_size)
+    greedy = m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    off, _ = eq.run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    for overlap_off in (True, False):
+        args = tiered.replace(disable_overlap_schedule=overlap_off)
+        on, sched = eq.run(tiered_runner, args, prompts, greedy, arrivals)
+        assert on == off
+        assert sched.host_cached_tokens_total > 0

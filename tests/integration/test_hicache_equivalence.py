@@ -1,0 +1,69 @@
+"""The host tier never changes outputs: greedy outputs with --enable-hierarchical-cache equal the
+cache-off and the device-only-cache outputs, with a device pool far smaller than the working set
+(multi-turn conversations whose histories are evicted from the device and come back), page size
+1 and 16, the overlap schedule on and off. The scheduler and the worker's ModelRunner run
+in-process through the scheduler's own step loop (test_cache_equivalence.run)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_cache_equivalence import run
+
+from radix_runtime import messages as m
+from radix_runtime.config import ServerArgs
+
+pytestmark = pytest.mark.slow
+
+
+def conversations(vocab: int, n: int = 5, seed: int = 0):
+    """n conversations of 3 turns over a shared 16-token system prompt: turn k+1's prompt is
+    turn k's plus new tokens, arriving after the earlier turns are done (about 260 distinct
+    tokens of history, >= 4x a 64-token device pool)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(16)]
+    turns = [[system + [rng.randrange(3, vocab) for _ in range(20)] for _ in range(n)]]
+    for _ in range(2):
+        turns.append([p + [rng.randrange(3, vocab) for _ in range(8)] for p in turns[-1]])
+    prompts = [p for turn in turns for p in turn]
+    arrivals = [25 * (i // n) for i in range(len(prompts))]
+    return prompts, arrivals
+
+
+@pytest.mark.parametrize("page_size,pool", [(1, 64), (16, 128)])
+def test_host_tier_outputs_equal_cache_off_and_device_only(page_size, pool):
+    from radix_runtime.worker.model_runner import ModelRunner
+
+    base = ServerArgs(
+        model="tiny-llama",
+        load_format="dummy",
+        model_config="tiny-llama",
+        page_size=page_size,
+        max_total_tokens=pool,
+        chunked_prefill_size=32,
+        max_running_requests=3,
+        device="cpu",
+        disable_overlap_schedule=True,
+    )
+    tiered = base.replace(enable_hierarchical_cache=True, hicache_ratio=8.0, radix_tree_impl="auto")
+    device_runner = ModelRunner(base)
+    tiered_runner = ModelRunner(tiered)
+    prompts, arrivals = conversations(device_runner.ready_info().vocab_size)
+    greedy = m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    off, _ = run(device_runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    for impl in ("python", "cpp"):
+        device_only, dev_sched = run(
+            device_runner, base.replace(radix_tree_impl=impl), prompts, greedy, arrivals
+        )
+        assert device_only == off
+    for overlap_off in (True, False):
+        args = tiered.replace(disable_overlap_schedule=overlap_off)
+        on, sched = run(tiered_runner, args, prompts, greedy, arrivals)
+        assert on == off
+        assert sched.tree_impl == "python"
+        stats = sched.cache_stats()
+        # the host tier served hits the device-only cache had lost
+        assert sched.host_cached_tokens_total > 0 and stats.host_loaded_bytes > 0
+        assert stats.host_written_bytes > 0
+        assert sched.cached_tokens_total > dev_sched.cached_tokens_total

@@ -1,0 +1,254 @@
+"""The scheduler with the host tier, against test_scheduler's fake worker (which reads its KV
+from the pages it was told about) given a host pool: it makes the batch's copies (writes, then
+loads) before the batch's rows, as the real worker does. A load missing or misordered, a write
+read after its page was reused, or a page freed while still the tree's reads wrong tokens and
+changes the outputs."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from test_scheduler import VOCAB, Driver, FakeWorker
+
+from radix_runtime import messages as m
+from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.scheduler import Scheduler
+
+
+class TieredFakeWorker(FakeWorker):
+    def __init__(self, num_pages, page_size, max_slots, host_pages):
+        super().__init__(num_pages, page_size, max_slots)
+        self.host = np.full((host_pages, page_size), -1, dtype=np.int64)
+        self.loaded_pages = 0
+
+    def ready(self) -> m.WorkerReady:
+        ready = super().ready()
+        ready.host_num_pages = len(self.host)
+        ready.kv_bytes_per_token = 64
+        return ready
+
+    def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
+        src, dst = m.unpack_ids(batch.write_src), m.unpack_ids(batch.write_dst)
+        self.host[dst] = self.pool[src]
+        src, dst = m.unpack_ids(batch.load_src), m.unpack_ids(batch.load_dst)
+        self.pool[dst] = self.host[src]
+        self.loaded_pages += len(src)
+        return super().forward(batch)
+
+
+def conversations(n=6, rounds=3, seed=0):
+    rng = random.Random(seed)
+    system = [rng.randrange(1, VOCAB) for _ in range(12)]
+    turns = [[system + [rng.randrange(1, VOCAB) for _ in range(30)] for _ in range(n)]]
+    for _ in range(rounds - 1):
+        turns.append([p + [rng.randrange(1, VOCAB) for _ in range(10)] for p in turns[-1]])
+    return [p for t in turns for p in t], [15 * (i // n) for i in range(n * rounds)]
+
+
+def run(prompts, arrivals, *, hicache, page_size=1, pool=96, host=4096, overlap=False,
+        policy="write_through", disable=False, aborts=None, max_new=4):  # fmt: skip
+    args = ServerArgs(
+        page_size=page_size,
+        max_total_tokens=pool,
+        chunked_prefill_size=32,
+        max_running_requests=3,
+        radix_tree_impl="python",
+        disable_radix_cache=disable,
+        disable_overlap_schedule=not overlap,
+        enable_hierarchical_cache=hicache,
+        hicache_write_policy=policy,
+    )
+    num_pages = pool // page_size + 1
+    worker = (
+        TieredFakeWorker(num_pages, page_size, 3, host // page_size + 1)
+        if hicache
+        else FakeWorker(num_pages, page_size, 3)
+    )
+    sched = Scheduler(args, worker.ready())
+    driver = Driver(sched, worker)
+    sampling = m.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
+    pending, step, aborts = list(range(len(prompts))), 0, dict(aborts or {})
+    while pending or driver.busy():
+        for i in [i for i in pending if arrivals[i] <= step]:
+            sched.add_request(
+                m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
+            )
+            pending.remove(i)
+        for rid, at in list(aborts.items()):
+            if at(sched, step):
+                sched.abort(rid)
+                del aborts[rid]
+        driver.iteration()
+        for out in sched.take_outputs():
+            assert out.error is None, out.error
+            outputs[out.rid].extend(m.unpack_ids(out.new_ids).tolist())
+        sched.check_integrity()
+        step += 1
+        assert step < 20_000, "no progress"
+    stats = sched.cache_stats()
+    assert stats.free_pages + stats.evictable_pages == stats.total_pages
+    if hicache:
+        assert stats.host_free_pages + stats.host_evictable_pages <= stats.host_total_pages
+    return outputs, sched
+
+
+def test_outputs_equal_cache_off_under_a_pool_far_smaller_than_the_working_set():
+    prompts, arrivals = conversations()
+    off, _ = run(prompts, arrivals, hicache=False, disable=True)
+    device, dev_sched = run(prompts, arrivals, hicache=False)
+    assert device == off
+    for page_size in (1, 4):
+        for overlap in (False, True):
+            for policy in ("write_through", "write_back"):
+                on, sched = run(
+                    prompts, arrivals, hicache=True, page_size=page_size, overlap=overlap,
+                    policy=policy,
+                )  # fmt: skip
+                assert on == off, (page_size, overlap, policy)
+                assert sched.host_cached_tokens_total > 0
+                if page_size == 1:
+                    assert sched.cached_tokens_total > dev_sched.cached_tokens_total
+
+
+def test_abort_during_a_load_frees_everything():
+    """The request is aborted right after the step carrying its load was built (with the
+    overlap schedule: while it is in flight): its pages go back, the loaded nodes stay cached."""
+    prompts, arrivals = conversations(n=4, rounds=2)
+    victims = {}
+
+    def aborts_when_loading(rid):
+        def at(sched, step):
+            req = sched.reqs.get(rid)
+            return req is not None and req.host_cached_tokens > 0 and req.node is not None
+
+        return at
+
+    for i in range(4, 8):
+        victims[f"r{i}"] = aborts_when_loading(f"r{i}")
+    for overlap in (False, True):
+        out, sched = run(prompts, arrivals, hicache=True, overlap=overlap, aborts=dict(victims))
+        assert sched.host_loads > 0
+        off, _ = run(prompts[:4], arrivals[:4], hicache=False, disable=True)
+        assert {k: out[k] for k in off} == off  # the other requests are unaffected
+        sched.check_integrity()
+
+
+def test_pressure_in_both_tiers_retracts_and_never_crashes():
+    prompts, arrivals = conversations(n=8, rounds=3, seed=1)
+    off, _ = run(prompts, arrivals, hicache=False, disable=True, max_new=12)
+    for overlap in (False, True):
+        on, sched = run(
+            prompts, arrivals, hicache=True, pool=80, host=96, overlap=overlap, max_new=12
+        )
+        assert on == off
+        assert sched.retractions > 0
+        stats = sched.cache_stats()
+        assert stats.host_total_pages == 96 and stats.host_written_bytes > 0
+
+
+def test_metrics_label_cached_tokens_by_tier():
+    from test_metrics_stats import parse
+
+    from radix_runtime.server.metrics import Metrics
+
+    prompts, arrivals = conversations()
+    _, sched = run(prompts, arrivals, hicache=True)
+    metrics = Metrics("m")
+    metrics.apply(m.decode(m.encode(sched.stats.report(sched))))
+    got = parse(metrics.exposition())
+
+    def v(tier):
+        return got[("radix_runtime:cached_tokens_by_tier_total", (("tier", tier),))]
+
+    assert v("host") == sched.host_cached_tokens_total > 0
+    assert v("device") + v("host") == sched.cached_tokens_total
+    info = sched.cache_stats()
+    assert info.host_cached_tokens == sched.host_cached_tokens_total
+    # 64 bytes a token here; a retracted request loads again without counting its hits again
+    assert info.host_loaded_bytes >= info.host_cached_tokens * 64 > 0
+
+
+def test_kv_events_keep_host_blocks_cached_until_they_leave_both_tiers():
+    """A subscriber applying every batch holds exactly the tree's blocks in either tier: moving
+    to the host emits nothing, leaving the host emits BlockRemoved."""
+    from radix_runtime import kv_events as kv
+
+    args = ServerArgs(
+        page_size=1, max_total_tokens=96, chunked_prefill_size=32, max_running_requests=3,
+        radix_tree_impl="python", kv_events_endpoint="ipc://unused",
+        enable_hierarchical_cache=True,
+    )  # fmt: skip
+    worker = TieredFakeWorker(97, 1, 3, 161)
+    sched = Scheduler(args, worker.ready())
+    driver = Driver(sched, worker)
+    live = kv.KvIndex()
+    prompts, arrivals = conversations(n=6, rounds=3, seed=2)
+    sampling = m.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    removed = 0
+    for step in range(2000):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                sched.add_request(
+                    m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
+                )
+        driver.iteration()
+        sched.take_outputs()
+        batch = sched.kv_events.take_batch()
+        if batch is not None:
+            live.apply(kv.decode_batch(kv.encode(batch)))
+            removed += sum(isinstance(ev, kv.BlockRemoved) for ev in batch.events)
+        assert live.prefixes() == kv.tree_prefixes(sched.cache.dump(), 1), step
+        if step > max(arrivals) and not driver.busy():
+            break
+    assert sched.host_cached_tokens_total > 0 and removed > 0  # both tiers were full at times
+
+
+def test_a_load_that_does_not_pay_is_recomputed():
+    """With a link far slower than prefill the cost model recomputes host hits; outputs stay."""
+    prompts, arrivals = conversations()
+    off, _ = run(prompts, arrivals, hicache=False, disable=True)
+    original = Scheduler._observe_step
+
+    def slow_link(self, plan, result):
+        self.load_bandwidth, self.prefill_tps = 1.0, 1e9  # 1 byte/s against 1e9 tokens/s
+        original(self, plan, result)
+
+    Scheduler._observe_step = slow_link
+    try:
+        on, sched = run(prompts, arrivals, hicache=True)
+    finally:
+        Scheduler._observe_step = original
+    assert on == off
+    assert sched.host_recomputed_tokens > 0 and sched.host_cached_tokens_total == 0
+
+
+def test_a_host_pool_larger_than_memory_is_a_clear_error():
+    import pytest
+    import torch
+
+    from radix_runtime.worker.host_pool import host_pool_pages
+    from radix_runtime.worker.kv_pool import KVPool
+
+    dev = KVPool(2, 9, 1, 1, 8, torch.float32, torch.device("cpu"))
+    per_token = KVPool.bytes_per_token(2, 1, 8, torch.float32)
+    assert host_pool_pages(dev, 0.0, 2.0, per_token) == 17
+    with pytest.raises(RuntimeError, match="lower --hicache-size"):
+        host_pool_pages(dev, 1e6, 2.0, per_token)  # a petabyte
+
+
+def test_generate_meta_info_splits_cached_tokens_by_tier():
+    from radix_runtime.server import protocol as P
+
+    inp = P.GenerateInput(rid="r", input_ids=[5, 6, 7, 8], sampling=m.SamplingParams())
+    state = P.ChoiceState(0, "r", [5, 6, 7, 8])
+    state.add(
+        P.GenerateChunk(ids=[9], cached_tokens=3, host_cached_tokens=2, finish_reason="length")
+    )
+    meta = P.native_output(state, inp)["meta_info"]
+    assert (meta["cached_tokens"], meta["device_cached_tokens"], meta["host_cached_tokens"]) == (
+        3,
+        1,
+        2,
+    )
