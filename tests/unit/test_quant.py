@@ -77,10 +77,12 @@ def ref_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Ten
     return (w / scale).to(torch.float8_e4m3fn), scale
 
 
-def ref_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric RTN over groups of GROUP input columns: (q [N, K], zeros [N, K/g], scales [N, K/g])."""
+def ref_int4(
+    w: torch.Tensor, group: int = GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric RTN over groups of `group` input columns: (q [N, K], zeros [N, K/g], scales [N, K/g])."""
     n, k = w.shape
-    g = w.reshape(n, k // GROUP, GROUP)
+    g = w.reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scales = (hi - lo).clamp(min=1e-8) / 15
     zeros = torch.round(-lo / scales).clamp(0, 15)
@@ -88,9 +90,9 @@ def ref_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return q.reshape(n, k).to(torch.int64), zeros.to(torch.int64), scales
 
 
-def ref_int4_dequant(q, zeros, scales) -> torch.Tensor:
+def ref_int4_dequant(q, zeros, scales, group: int = GROUP) -> torch.Tensor:
     n, k = q.shape
-    g = q.reshape(n, k // GROUP, GROUP).float()
+    g = q.reshape(n, k // group, group).float()
     return ((g - zeros[..., None]) * scales[..., None]).reshape(n, k)
 
 
@@ -221,6 +223,23 @@ def test_quantize_at_load_fp8_matches_reference(tmp_path):
     fp8_activation_hooks(model)
     diff = (ours - hf_logits(model, PROMPT)[: ours.shape[0]]).abs().max().item()
     assert diff < ATOL_W8A8, diff
+
+
+def test_quantize_at_load_int4_rtn_matches_reference(tmp_path):
+    """--quantization int4: every projection rounded to the asymmetric int4 grid in groups of 128
+    input columns (64 where 128 does not divide: this model's hidden size)."""
+    model = _tiny_llama()
+    model.save_pretrained(tmp_path / "f32", safe_serialization=True)
+    ours, runner = _prompt_logits(_args(str(tmp_path / "f32"), quantization="int4"))
+    assert runner.quantization == "int4"
+    with torch.no_grad():
+        for name in _proj_names(model):
+            p = model.get_parameter(name)
+            group = 128 if p.shape[1] % 128 == 0 else 64
+            p.copy_(ref_int4_dequant(*ref_int4(p.data, group), group))
+    diff = (ours - hf_logits(model, PROMPT)[: ours.shape[0]]).abs().max().item()
+    assert diff < ATOL, diff
+    assert (ours - hf_logits(_tiny_llama(), PROMPT)[: ours.shape[0]]).abs().max() > 10 * ATOL
 
 
 # ---------------------------------------------------------------------------------------------
