@@ -480,7 +480,7 @@ def tier_ratios(sections: dict, opts: argparse.Namespace) -> dict:
     unrestricted pool, load throughput against the pinned copy bandwidth."""
     out: dict = {}
     ref = sections.get("unrestricted")
-    pinned = measure_pinned_bandwidth()
+    pinned = measure_pinned_bandwidth() if opts.hicache_policies else None
     out["pinned_h2d_bandwidth"] = pinned
     for label, sec in sections.items():
         if label in ("cache_off",):

@@ -22,6 +22,9 @@
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
+#   metrics    bench/metrics_overhead.py: the multi-turn workload against metrics on and
+#              --disable-metrics (two servers at --mem-fraction-static 0.4), interleaved
+#              -> $OUT/h200_metrics_overhead.json
 #   mt:NAME:FLAGS    the same with the comma-separated server flags FLAGS -> h200_multi_turn_NAME.*
 #                    (e.g. mt:chunk1024:--chunked-prefill-size,1024)
 #   serve:NAME:FLAGS bench/serving.py, random 4-8K-token prompts, 128 tokens out, at 1 req/s (about
@@ -99,6 +102,12 @@ for stage in "$@"; do
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
+        metrics)
+            timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
+                --server-args "--load-format dummy --mem-fraction-static 0.4" \
+                --clients 64 --rounds 6 --system-tokens 1024 --context-tokens 512 \
+                --user-tokens 128 --answer-tokens 128 --max-inflight 32 --repeats 3 \
+                --out "$OUT/h200_metrics_overhead.json" || status=1 ;;
         multiturn|multiturn_mixed|multiturn_FLAGS|mt:*)
             flags="--load-format dummy" name=h200_multi_turn
             [ "$stage" = multiturn_mixed ] && flags="$flags --enable-mixed-chunk" name=h200_multi_turn_mixed

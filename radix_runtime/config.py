@@ -20,7 +20,7 @@ class ServerArgs:
     model_config: str | None = None  # JSON config for dummy weights (name or path)
     tokenizer: str | None = None  # override tokenizer source
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    # quantize an unquantized checkpoint at load: none | fp8 (W8A8; worker/quant.py)
+    # quantize an unquantized checkpoint at load: none | fp8 (W8A8) | int4 (RTN, accuracy only)
     quantization: str = "none"
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # override the model's context length
@@ -221,8 +221,9 @@ _HELP = {
     "is then free); write_back: copy it when it is evicted from the device",
     "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
     "per-output-channel scales and FP8 activations with per-token dynamic scales "
-    "(docs/quantization.md); quantized checkpoints (FP8, AWQ, GPTQ) are recognised from their "
-    "config and need no flag",
+    "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128) and keep "
+    "them dequantized: int4's accuracy at the model dtype's memory and speed; quantized "
+    "checkpoints (FP8, AWQ, GPTQ) are recognised from their config and need no flag",
     "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
     "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "
     "memory; docs/quantization.md)",
@@ -232,7 +233,7 @@ _CHOICES = {
     "load_format": ["auto", "gguf", "safetensors", "dummy"],
     "schedule_policy": ["lpm", "dfs-weight", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "quantization": ["none", "fp8"],
+    "quantization": ["none", "fp8", "int4"],
     "kv_cache_dtype": ["auto", "fp8_e4m3"],
     "device": ["auto", "cpu", "cuda"],
     "attention_backend": ["auto", "torch", "flashinfer"],

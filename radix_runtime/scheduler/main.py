@@ -169,11 +169,7 @@ class SchedulerProcess:
             self.send_tok(sched.flush_cache())
         elif isinstance(msg, m.MetricsReq):
             # NOTE: answered even with --disable-metrics (gauges only), so a request never hangs
-            self.send_tok(
-                sched.stats.report(sched)
-                if sched.stats is not None
-                else SchedulerStats().report(sched)
-            )
+            self.send_tok((sched.stats or SchedulerStats()).report(sched))
         elif isinstance(msg, m.CacheTreeReq):
             self.send_tok(
                 cache_tree(sched.cache, max(msg.max_depth, 0), max(msg.max_children, 1),

@@ -66,15 +66,19 @@ class _Histograms:
     def __init__(self, model_name: str, hists: dict[str, Histogram]) -> None:
         self.model_name = model_name
         self.hists = hists
+        self.les = {
+            name: [floatToGoString(b) for b in h.bounds] + ["+Inf"] for name, h in hists.items()
+        }
 
     def collect(self):
         for name, h in self.hists.items():
             family = HistogramMetricFamily(
                 PREFIX + name, _HISTOGRAM_HELP[name], labels=["model_name"]
             )
-            bounds = [floatToGoString(b) for b in h.bounds] + ["+Inf"]
             family.add_metric(
-                [self.model_name], buckets=list(zip(bounds, h.cumulative())), sum_value=h.sum
+                [self.model_name],
+                buckets=list(zip(self.les[name], h.cumulative())),
+                sum_value=h.sum,
             )
             yield family
 

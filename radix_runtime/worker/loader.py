@@ -92,6 +92,8 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
         raise ValueError(f"unknown model source kind {source.kind!r}")
     if args.quantization == "fp8" and model.quantization == "none":
         quant.quantize_model_fp8(model)
+    elif args.quantization == "int4" and quantization == "none":
+        quant.quantize_model_int4_rtn(model)
     if model.quantization != "none":
         quantization = model.quantization
     load_s = time.perf_counter() - t0

@@ -14,6 +14,9 @@ model_config.py; `--quantization fp8` quantizes an unquantized checkpoint at loa
   FP8 does).
 - **int4 weight-only** (AWQ GEMM layout, GPTQ with desc_act false): dequantized to the model dtype
   while loading (`dequantized_checkpoint`): the model then runs as an unquantized one.
+- **int4 round-to-nearest at load** (`--quantization int4`): the accuracy of W4A16 (AWQ's
+  asymmetric grid, groups of 128 input columns) with the memory and speed of the model dtype:
+  the rounded weights are kept dequantized, for measuring what int4 costs a model.
 - FP8 KV scales a checkpoint carries (`self_attn.k_scale` / `v_scale`, or compressed-tensors'
   `k_proj.output_scale` / `v_proj.output_scale`) are collected for an FP8 KV pool.
 """
@@ -139,6 +142,40 @@ def quantize_model_fp8(model: nn.Module) -> None:
         if isinstance(layer, Linear):
             setattr(parent, name, Fp8Linear.from_linear(layer))
     model.quantization = "fp8"
+
+
+# ---------------------------------------------------------------------------------------------
+# int4 round-to-nearest at load (accuracy only: the weights stay dequantized)
+
+INT4_GROUP = 128
+
+
+def int4_group_size(k: int) -> int:
+    """128 input columns per group, or the largest power of two below it that divides `k`
+    (SmolLM2's 576 columns: 64)."""
+    g = INT4_GROUP
+    while k % g:
+        g //= 2
+    return g
+
+
+def rtn_int4(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] rounded to the asymmetric int4 grid of AWQ (per group of input columns: scale =
+    (max - min) / 15, integer zero point), returned dequantized in W's dtype."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // int4_group_size(k), -1)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = (hi - lo).clamp(min=1e-8) / 15
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(g / scale + zero).clamp(0, 15)
+    return ((q - zero) * scale).reshape(n, k).to(w.dtype)
+
+
+def quantize_model_int4_rtn(model: nn.Module) -> None:
+    """--quantization int4: every decoder projection rounded to int4 (`rtn_int4`) in place."""
+    for _, _, layer in decoder_linears(model):
+        layer.weight.data = rtn_int4(layer.weight.data)
+    model.quantization = "int4"
 
 
 # ---------------------------------------------------------------------------------------------

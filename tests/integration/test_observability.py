@@ -179,9 +179,10 @@ def test_histograms_count_every_finished_request(server, client):
     assert finished(after) - finished(before) == total
     assert delta("e2e_request_latency_seconds_count") == total
     assert delta("time_to_first_token_seconds_count") == total
-    # every output token after the first is one inter-token gap (the aborted stream: >= 1)
+    # every output token after the first is one inter-token gap (plus those of the stop and
+    # the aborted requests, whose lengths are not known here)
     gaps = sum(len(r["output_ids"]) - 1 for r in results)
-    assert delta("inter_token_latency_seconds_count") >= gaps + 1
+    assert delta("inter_token_latency_seconds_count") >= gaps > 0
     assert delta("queue_time_seconds_count") == total
     assert delta("prefill_time_seconds_count") == total
     assert delta("step_time_seconds_count") == delta("batch_size_count") > 0

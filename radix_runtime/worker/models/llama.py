@@ -97,7 +97,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names mirror Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
 
-    # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers)
+    # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers) | int4
+    # (rounded at load, kept dequantized)
     quantization = "none"
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -148,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
-        row_ok = not (c.qkv_bias or c.o_bias) and self.quantization in ("none", "fp8")
+        row_ok = not (c.qkv_bias or c.o_bias)  # (FP8 layers: the GEMV reads their scales)
         if h.shape[0] == 1 and ops.ROW_FUSION and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h

@@ -1,0 +1,58 @@
+"""bench/multi_turn_chat.py's host-tier runs: which servers it launches and the goals' ratios."""
+
+from __future__ import annotations
+
+from bench import multi_turn_chat as mtc
+
+
+def _opts(*flags, **kw):
+    argv = ["--server-args", "--load-format dummy --max-total-tokens 800", *flags]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return mtc.build_parser().parse_args(argv)
+
+
+def test_targets_add_one_run_per_policy_and_the_unrestricted_pool():
+    opts = _opts("--compare-no-cache", "--hicache-args=--hicache-ratio 4",
+                 hicache_policies="write_through,write_back", unrestricted_tokens=9000)  # fmt: skip
+    targets = {t.label: t.flags for t in mtc.all_targets(opts)}
+    assert list(targets) == [
+        "cache_on", "cache_off", "hicache_write_through", "hicache_write_back", "unrestricted",
+    ]  # fmt: skip
+    wt = targets["hicache_write_through"]
+    assert wt[-5:] == ("--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
+                       "--hicache-ratio", "4")  # fmt: skip
+    unr = targets["unrestricted"]
+    assert unr.count("--max-total-tokens") == 1 and unr[-1] == "9000"
+    assert list(mtc.all_targets(_opts())) == mtc.all_targets(_opts())[:1]
+
+
+def test_tier_ratios():
+    def sec(hit, ttft, tok, cache=None):
+        return {"hit_rate": hit, "optimal_hit_rate": 0.8, "ttft_p50_s": ttft,
+                "output_tok_s": tok, "prompt_tokens": 1000, "server_cache": cache or {}}  # fmt: skip
+
+    sections = {
+        "cache_on": sec(0.4, 0.2, 50),
+        "hicache_write_through": sec(
+            0.79,
+            0.11,
+            95,
+            {
+                "host_cached_tokens": 300,
+                "host_loaded_bytes": 3e9,
+                "host_written_bytes": 1e9,
+                "host_load_s": 0.1,
+                "host_load_bandwidth": 4e10,
+            },
+        ),  # fmt: skip
+        "unrestricted": sec(0.8, 0.1, 100),
+    }
+    out = mtc.tier_ratios(sections, _opts())
+    row = out["hicache_write_through"]
+    assert abs(row["hit_rate_over_optimal"] - 0.79 / 0.8) < 1e-9
+    assert abs(row["ttft_p50_over_unrestricted"] - 1.1) < 1e-9
+    assert abs(row["output_tok_s_over_unrestricted"] - 0.95) < 1e-9
+    assert row["host_hit_rate"] == 0.3
+    assert abs(row["load_throughput_over_copy_bandwidth"] - 3e10 / 4e10) < 1e-9
+    assert out["pinned_h2d_bandwidth"] is None  # no host-tier runs asked: not measured
