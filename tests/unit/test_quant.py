@@ -340,6 +340,9 @@ _BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size":
             "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
          "num_bits 4 type 'int'"),
         ({"quant_method": "exl2"}, "quant_method = 'exl2'"),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+            "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+         "quantized lm_head"),
     ],
 )  # fmt: skip
 def test_unsupported_quantization_is_refused_by_name(qcfg, named):
