@@ -17,6 +17,8 @@
 #   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
 #              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
+#   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
+#              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -93,6 +95,10 @@ for stage in "$@"; do
             timeout 300 python3 bench/cached_ttft.py --model llama-3.1-8b \
                 --server-args "--load-format dummy" --prompt-tokens 8192 --new-tokens 256 \
                 --repeats 5 --out "$OUT/h200_cached_ttft.json" || status=1 ;;
+        structured)
+            timeout 580 python3 bench/structured.py --model llama-3.1-8b \
+                --server-args "--load-format dummy" --batch 1,64,256 --tokens 256 \
+                --out "$OUT/h200_structured.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;

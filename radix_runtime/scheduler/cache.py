@@ -28,6 +28,11 @@ def make_radix_cache(
                 "--enable-hierarchical-cache: the C++ radix tree has no host tier; use "
                 "--radix-tree-impl python or auto"
             )
+        logger.info(
+            "host KV tier: %d host pages, %s; the Python radix tree (the C++ one has no host tier)",
+            host_allocator.total_pages,
+            "write_through" if write_through else "write_back",
+        )
         return RadixCache(page_size, allocator, disable, host_allocator, write_through)
     if impl in ("auto", "cpp"):
         try:

@@ -735,6 +735,8 @@ class Scheduler:
                         if reason is not None:
                             break
                     self.jumped_tokens += len(new_ids) - 1
+                    if self.stats is not None:
+                        self.stats.generation_tokens += len(new_ids) - 1
                 out.new_ids = pack_ids(new_ids)
                 if reason is not None:
                     self.running.remove(req)

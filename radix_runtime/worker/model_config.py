@@ -342,6 +342,8 @@ def _compressed_tensors(q: dict[str, Any]) -> dict[str, Any]:
     if group.get("targets", ["Linear"]) != ["Linear"]:
         raise _refuse_quant(f"compressed-tensors targets {group.get('targets')!r}")
     _only_lm_head(q.get("ignore"), "compressed-tensors")
+    if "lm_head" not in (q.get("ignore") or []):
+        raise _refuse_quant("compressed-tensors with a quantized lm_head (`ignore` lacks lm_head)")
     kv = q.get("kv_cache_scheme")
     if kv is not None and not (kv.get("num_bits") == 8 and kv.get("type") == "float"):
         raise _refuse_quant(f"compressed-tensors kv_cache_scheme {kv!r}")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radix_runtime.worker.layers.linear import Linear
+from radix_runtime.worker.model_config import UnsupportedModel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -193,6 +194,8 @@ def fp8_checkpoint(
             continue
         if name.endswith(".input_scale"):
             continue  # activations get dynamic per-token scales
+        if name.startswith("lm_head.") and t.dtype == FP8:
+            raise UnsupportedModel("an FP8 lm_head is not supported (only decoder projections)")
         if name.endswith(".weight_scale") or name.endswith(".weight_scale_inv"):
             name = name.removesuffix("_inv")
             t = t.float().reshape(-1)

@@ -2,8 +2,9 @@
 (SmolLM2, CPU) through the HTTP routes and the official `openai` client; bad grammars get a 400
 and the server keeps serving; min_tokens.
 
-The equivalence tests (cache on == off, overlap on == off, retraction) drive the scheduler and
-the worker's ModelRunner in-process on the tiny dummy model: see test_structured_equivalence.py.
+The equivalence tests (cache on == off, overlap on == off, retraction, jump-forward) drive the
+scheduler and the worker's ModelRunner in-process: see test_cache_equivalence.py; the masks under
+every sampler setting: tests/unit/test_grammar.py (tests/gpu/test_grammar_gpu.py on CUDA).
 """
 
 from __future__ import annotations

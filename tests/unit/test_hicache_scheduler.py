@@ -130,6 +130,9 @@ def test_abort_during_a_load_frees_everything():
     for overlap in (False, True):
         out, sched = run(prompts, arrivals, hicache=True, overlap=overlap, aborts=dict(victims))
         assert sched.host_loads > 0
+        assert sum(len(out[v]) < 4 for v in victims) >= 2  # aborted after their load
+        if overlap:  # the step carrying the load was still in flight: no output at all
+            assert any(not out[v] for v in victims)
         off, _ = run(prompts[:4], arrivals[:4], hicache=False, disable=True)
         assert {k: out[k] for k in off} == off  # the other requests are unaffected
         sched.check_integrity()

@@ -38,9 +38,12 @@ FP8_MAX = 448.0
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _tiny_llama() -> transformers.LlamaForCausalLM:
+def _tiny_llama(family: str = "llama") -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    kind = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    cfg = kind(
+        **extra,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -53,7 +56,8 @@ def _tiny_llama() -> transformers.LlamaForCausalLM:
         bos_token_id=1,
         tie_word_embeddings=False,
     )
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    cls = transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.LlamaForCausalLM
+    model = cls(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
@@ -119,9 +123,11 @@ def _save(folder, tensors: dict, cfg: dict) -> str:
     return str(folder)
 
 
-def make_checkpoint(fmt: str, folder) -> tuple[str, transformers.LlamaForCausalLM]:
+def make_checkpoint(
+    fmt: str, folder, family: str = "llama"
+) -> tuple[str, transformers.PreTrainedModel]:
     """(folder of the quantized checkpoint, transformers model holding its dequantized weights)."""
-    model = _tiny_llama()
+    model = _tiny_llama(family)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     out = {k: v for k, v in state.items() if k.split(".")[-2] not in PROJ}
     for name in _proj_names(model):
@@ -165,7 +171,7 @@ def make_checkpoint(fmt: str, folder) -> tuple[str, transformers.LlamaForCausalL
         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False},
     }[fmt]  # fmt: skip
     cfg = {**model.config.to_dict(), "quantization_config": qcfg}
-    return _save(folder / fmt, out, cfg), model
+    return _save(folder / f"{family}_{fmt}", out, cfg), model
 
 
 def fp8_activation_hooks(model) -> None:
@@ -194,9 +200,13 @@ def _args(folder: str, **kw) -> ServerArgs:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "ct_fp8", "awq", "gptq"])
-def test_quantized_checkpoint_matches_its_dequantized_reference(fmt, tmp_path):
-    folder, ref = make_checkpoint(fmt, tmp_path)
+@pytest.mark.parametrize(
+    "fmt,family",
+    [("fp8", "llama"), ("ct_fp8", "llama"), ("awq", "llama"), ("gptq", "llama"),
+     ("ct_fp8", "qwen3"), ("awq", "qwen3")],
+)  # fmt: skip
+def test_quantized_checkpoint_matches_its_dequantized_reference(fmt, family, tmp_path):
+    folder, ref = make_checkpoint(fmt, tmp_path, family)
     w8a8 = fmt in ("fp8", "ct_fp8")
     if w8a8:
         fp8_activation_hooks(ref)
@@ -206,7 +216,7 @@ def test_quantized_checkpoint_matches_its_dequantized_reference(fmt, tmp_path):
     diff = (ours - expected).abs().max().item()
     assert diff < (ATOL_W8A8 if w8a8 else ATOL), f"{fmt}: max abs diff {diff}"
     # the quantization is not a no-op: the original float weights give other logits
-    assert (ours - hf_logits(_tiny_llama(), PROMPT)[: ours.shape[0]]).abs().max() > 10 * ATOL
+    assert (ours - hf_logits(_tiny_llama(family), PROMPT)[: ours.shape[0]]).abs().max() > 10 * ATOL
 
 
 def test_quantize_at_load_fp8_matches_reference(tmp_path):
@@ -274,6 +284,30 @@ def test_fp8_kv_pool_layout_and_logits(float_llama):
     assert torch.allclose(back, k, rtol=0.07, atol=0.01)
 
 
+def test_fp8_kv_pool_holds_twice_bf16s_tokens_in_the_same_memory(float_llama, monkeypatch):
+    """Sized from memory (no --max-total-tokens): the same budget holds 2x bf16's tokens in FP8
+    (4x float32's), and the scheduler reports that capacity and the element type (what
+    /get_server_info shows)."""
+    from radix_runtime.scheduler.scheduler import Scheduler
+    from radix_runtime.worker import kv_pool
+
+    monkeypatch.setattr(kv_pool, "available_cpu_memory", lambda: 40 << 20)  # 8 MiB for KV
+    per = {d: KVPool.bytes_per_token(2, 2, 16, d) for d in (torch.bfloat16, torch.float8_e4m3fn)}
+    tokens = {
+        d: kv_pool.pool_tokens_from_memory(torch.device("cpu"), b, 0.85) for d, b in per.items()
+    }
+    assert tokens[torch.float8_e4m3fn] == 2 * tokens[torch.bfloat16]
+    infos = {}
+    for kv in ("auto", "fp8_e4m3"):
+        args = _args(float_llama, kv_cache_dtype=kv).replace(max_total_tokens=None)
+        runner = ModelRunner(args)
+        infos[kv] = Scheduler(args, runner.ready_info()).server_info()
+    assert (
+        infos["fp8_e4m3"].kv_cache_dtype == "fp8_e4m3" and infos["auto"].kv_cache_dtype == "float32"
+    )
+    assert infos["fp8_e4m3"].max_total_tokens >= 4 * infos["auto"].max_total_tokens - 16
+
+
 def test_checkpoint_kv_scales_reach_the_pool(tmp_path):
     folder, _ = make_checkpoint("fp8", tmp_path)
     from safetensors.torch import load_file
@@ -306,6 +340,9 @@ _BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size":
             "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
          "num_bits 4 type 'int'"),
         ({"quant_method": "exl2"}, "quant_method = 'exl2'"),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+            "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+         "quantized lm_head"),
     ],
 )  # fmt: skip
 def test_unsupported_quantization_is_refused_by_name(qcfg, named):
