@@ -199,7 +199,7 @@ _HELP = {
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
     "cpu_weight_format": "weights on the CPU: float32, bfloat16, or weight-only int8 / int4 "
-    "(bfloat16 activations); auto: int8 for quantized GGUF files, float32 otherwise "
+    "(bfloat16 activations); auto: float32, or bfloat16 with --dtype bfloat16 "
     "(docs/cpu_weight_formats.md)",
     "tool_call_parser": "how /v1/chat/completions finds tool calls in a reply: hermes "
     "(<tool_call>{...}</tool_call>, Qwen2.5/Hermes and templates without tools), llama3 (a JSON "
