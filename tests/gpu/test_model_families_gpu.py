@@ -146,7 +146,9 @@ def test_graph_capture_at_real_shapes(name, tmp_path):
                   max_running_requests=16, cuda_graph_max_bs=16)  # fmt: skip
     graphs = ModelRunner(ServerArgs(**common))
     eager = ModelRunner(ServerArgs(**common, disable_cuda_graph=True))
-    assert graphs.cuda_graphs is not None and graphs.extend_graphs is not None
+    assert graphs.cuda_graphs is not None
+    # a windowed model's prefill steps run eagerly (FA2's graphed prefill fails on the H200)
+    assert (graphs.extend_graphs is None) == bool(cfg.get("sliding_window"))
     copy_weights(eager, graphs)
     d = Driver([graphs, eager])
     seqs = [Seq(slot=i) for i in range(12)]
