@@ -7,88 +7,14 @@ session; `launch_server(**flags)` starts a private one for tests that need other
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 
-import httpx
 import pytest
+from server_support import DEFAULT_TEST_FLAGS, ServerHandle, free_port, start_server
+
+__all__ = ["DEFAULT_TEST_FLAGS", "ServerHandle", "free_port", "start_server"]
 
 # the tests share 2 cores with the servers they start: no spinning OpenMP threads (see procs.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ServerHandle:
-    proc: subprocess.Popen
-    port: int
-    api_key: str | None = None
-    log_path: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kw) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.Client(
-            base_url=self.url, timeout=kw.pop("timeout", 120), headers=headers, **kw
-        )
-
-    def log(self) -> str:
-        if self.log_path and os.path.exists(self.log_path):
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-20000:]
-        return ""
-
-    def stop(self, timeout: float = 15) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_server(
-    tmp_dir: str, *flags: str, env: dict | None = None, timeout: float = 240
-) -> ServerHandle:
-    port = free_port()
-    log_path = os.path.join(tmp_dir, f"server-{port}.log")
-    cmd = [sys.executable, "-m", "radix_runtime", "serve", "--port", str(port), *flags]
-    api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
-    handle = ServerHandle(proc, port, api_key, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log()}")
-        try:
-            if httpx.get(f"{handle.url}/health", timeout=2).status_code == 200:
-                return handle
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    handle.stop()
-    raise RuntimeError(f"server did not become healthy in {timeout}s:\n{handle.log()}")
-
-
-# Small enough to start fast and to keep memory low in CI, large enough for every test.
-DEFAULT_TEST_FLAGS = ("--max-total-tokens", "32768")
 
 
 @pytest.fixture(scope="session")

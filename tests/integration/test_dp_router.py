@@ -19,9 +19,10 @@ import zmq
 pytest.importorskip("sglang_router.router", reason="needs radix_runtime[router] (sglang-router)")
 pytestmark = pytest.mark.slow  # one --dp 2 server: ~60-75 s on an idle 2-core machine
 
+from server_support import free_port, start_server  # noqa: E402
+
 import radix_runtime as rr  # noqa: E402
 from radix_runtime import kv_events as kv  # noqa: E402
-from tests.conftest import free_port, start_server  # noqa: E402
 
 KEY = "dp-test-key"
 MODEL = "SmolLM2-135M-Instruct"

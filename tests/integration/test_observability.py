@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import start_server
 from prometheus_client.parser import text_string_to_metric_families
+from server_support import start_server
 
 KEY = "sk-metrics-test-7f3a"
 MODEL = "SmolLM2-135M-Instruct"

@@ -4,39 +4,21 @@ server's processes, waiting on conditions, and recording the numbers `docs/relia
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
+from server_support import ServerHandle, start_server  # noqa: F401 (the cases use them)
 
 ROLES = ("tokenizer", "scheduler", "worker")
 
 # A small pool keeps startup fast on the 2-core CI box; every prompt here is short.
 FAST_FLAGS = ("--max-total-tokens", "4096")
 
-
-def _load_root_conftest():
-    """The server launcher lives in tests/conftest.py; load it under its own name, because the
-    module name `conftest` belongs to whichever conftest pytest imported last."""
-    path = Path(__file__).resolve().parents[1] / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_radix_tests_root_conftest", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
-_root = _load_root_conftest()
-start_server = _root.start_server
-ServerHandle = _root.ServerHandle
 
 # ---------------------------------------------------------------------------------------------
 # results: each case records its numbers; the conftest prints them as a table after the run
