@@ -209,7 +209,7 @@ def run(opts) -> dict:
         )
         whole = sum(sum(r["metrics_off"]["cpu_s"].values()) / r["metrics_off"]["output_tokens"]
                     for r in runs)  # fmt: skip
-        share = added / whole
+        share = added / whole if whole > 0 else None  # no CPU times read (processes not found)
         pooled_cpu = {
             arm: 1e3
             * sum(r[arm]["cpu_s"]["tokenizer"] + r[arm]["cpu_s"]["scheduler"] for r in runs)
