@@ -181,11 +181,16 @@ def run(opts) -> dict:
             pair["ratio_output_tok_s"] = common.ratio(
                 pair["metrics_on"]["output_tok_s"], pair["metrics_off"]["output_tok_s"]
             )
-            if "cpu_s" in pair["metrics_on"]:
-                pair["ratio_front_cpu_per_token"] = common.ratio(
+            cpu_ratio = (
+                common.ratio(
                     pair["metrics_on"]["front_cpu_ms_per_output_token"],
                     pair["metrics_off"]["front_cpu_ms_per_output_token"],
                 )
+                if "cpu_s" in pair["metrics_on"]
+                else None
+            )
+            if cpu_ratio is not None:  # None: no CPU time was read for the servers' processes
+                pair["ratio_front_cpu_per_token"] = cpu_ratio
             pair["order"] = list(order)
             runs.append(pair)
     ratios = [r["ratio_output_tok_s"] for r in runs]
