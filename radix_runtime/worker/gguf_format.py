@@ -229,6 +229,9 @@ def num_weight_tensors(reader) -> int:
 
 def tensor_types(reader) -> dict[str, str]:
     """HF name -> GGUF tensor type name (`Q4_1`, `Q8_0`, `F32`, ...) of every weight."""
+    arch = _field(reader, "general.architecture")  # Gemma 3 names its norms its own way
     return {
-        hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors if t.name != ROPE_FREQS
+        hf_tensor_name(t.name, arch): t.tensor_type.name
+        for t in reader.tensors
+        if t.name != ROPE_FREQS
     }
