@@ -23,7 +23,7 @@
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
 #   metrics    bench/metrics_overhead.py: the multi-turn workload against metrics on and
-#              --disable-metrics (two servers at --mem-fraction-static 0.4), interleaved
+#              --disable-metrics (two servers, KV pools capped at 200,000 tokens each), interleaved
 #              -> $OUT/h200_metrics_overhead.json
 #   mt:NAME:FLAGS    the same with the comma-separated server flags FLAGS -> h200_multi_turn_NAME.*
 #                    (e.g. mt:chunk1024:--chunked-prefill-size,1024)
@@ -104,7 +104,7 @@ for stage in "$@"; do
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
-                --server-args "--load-format dummy --mem-fraction-static 0.4" \
+                --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \
                 --clients 64 --rounds 6 --system-tokens 1024 --context-tokens 512 \
                 --user-tokens 128 --answer-tokens 128 --max-inflight 32 --repeats 3 \
                 --out "$OUT/h200_metrics_overhead.json" || status=1 ;;
