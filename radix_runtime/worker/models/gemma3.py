@@ -30,10 +30,10 @@ from radix_runtime.worker.layers import (
     GemmaRMSNorm,
     Linear,
     RotaryEmbedding,
-    apply_rope,
 )
 from radix_runtime.worker.model_config import ModelConfig
 from radix_runtime.worker.models.llama import LlamaForCausalLM
+from radix_runtime.worker.models.qwen3 import Qwen3Attention
 
 # checkpoint name prefixes of the multimodal wrapper's language model -> ours
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
@@ -41,32 +41,10 @@ _SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
                      "model.multi_modal_projector.", "language_model.lm_head.")  # fmt: skip
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.config = config
-        qkv_out = config.q_size + 2 * config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, qkv_out, config.qkv_bias, dtype)
-        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias, dtype)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's attention (q/k head norms before RoPE) with Gemma's (1 + w) RMSNorm."""
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionBackend,
-        kv_pool: KVPool,
-    ) -> torch.Tensor:
-        c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.view(-1, c.num_heads, c.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(k.view(-1, c.num_kv_heads, c.head_dim)), cos, sin)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
-        out = attn.forward(self.layer_id, q, k, v, kv_pool)
-        return self.o_proj(out.reshape(-1, c.q_size))
+    head_norm = GemmaRMSNorm
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -19,10 +19,15 @@ from radix_runtime.worker.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
+    """Llama's attention with an RMSNorm over each q and k head before RoPE (Gemma 3 reuses it
+    with its own norm class)."""
+
+    head_norm = RMSNorm
+
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__(config, layer_id, dtype)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.q_norm = self.head_norm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = self.head_norm(config.head_dim, config.rms_norm_eps, dtype)
 
     def forward(
         self,
