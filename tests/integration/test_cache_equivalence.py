@@ -91,6 +91,23 @@ def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None):
     return outputs, sched
 
 
+def tiny_args(**overrides) -> ServerArgs:
+    """The tiny dummy model on the CPU, Python tree, one step at a time: the equivalence tests'
+    baseline, which each varies by `replace`."""
+    return ServerArgs(
+        model="tiny-llama",
+        load_format="dummy",
+        model_config="tiny-llama",
+        page_size=1,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        max_running_requests=8,
+        device="cpu",
+        radix_tree_impl="python",
+        disable_overlap_schedule=True,
+    ).replace(**overrides)
+
+
 def prompts_sharing_prefixes(vocab: int, seed: int = 0):
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(96)]
@@ -171,18 +188,7 @@ def test_greedy_cache_on_equals_off_with_cache_salts(runner_factory, page_size):
     """The same prompts spread over the public namespace and two salted ones (as the HTTP layer
     names them): every namespace computes its own copy of the shared prefixes, and the outputs
     still equal the cache-off run's."""
-    base = ServerArgs(
-        model="tiny-llama",
-        load_format="dummy",
-        model_config="tiny-llama",
-        page_size=page_size,
-        max_total_tokens=8192,
-        chunked_prefill_size=64,
-        max_running_requests=8,
-        device="cpu",
-        radix_tree_impl="python",
-        disable_overlap_schedule=True,
-    )
+    base = tiny_args(page_size=page_size)
     runner = runner_factory(base)
     prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=5)
     namespaces = [("", "salt:a", "tenant:t\x00salt:b")[i % 3] for i in range(len(prompts))]
@@ -199,18 +205,7 @@ def test_greedy_cache_on_equals_off_with_cache_salts(runner_factory, page_size):
 def test_hits_after_eviction_and_retraction(runner_factory):
     """A pool too small for the batch: prefixes are evicted, requests retracted and requeued,
     and the outputs still equal an unpressured cache-off run."""
-    base = ServerArgs(
-        model="tiny-llama",
-        load_format="dummy",
-        model_config="tiny-llama",
-        page_size=1,
-        max_total_tokens=8192,
-        chunked_prefill_size=64,
-        max_running_requests=8,
-        device="cpu",
-        radix_tree_impl="python",
-        disable_overlap_schedule=True,
-    )
+    base = tiny_args()
     runner = runner_factory(base)
     prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=3)
     arrivals = [0] * len(prompts)
@@ -259,18 +254,7 @@ def test_constrained_greedy_cache_overlap_and_retraction(runner_factory, kind):
     constrained greedy outputs, every one a prefix of (or, stopped, a match of) the grammar."""
     from radix_runtime.tokenizer import load_tokenizer
 
-    base = ServerArgs(
-        model="tiny-llama",
-        load_format="dummy",
-        model_config="tiny-llama",
-        page_size=1,
-        max_total_tokens=8192,
-        chunked_prefill_size=64,
-        max_running_requests=8,
-        device="cpu",
-        radix_tree_impl="python",
-        disable_overlap_schedule=True,
-    )
+    base = tiny_args()
     runner = runner_factory(base)
     prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=5)
     arrivals = [i // 3 * 2 for i in range(len(prompts))]
