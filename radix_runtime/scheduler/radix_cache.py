@@ -409,16 +409,10 @@ class RadixCache:
         node.host_heap_time = node.last_access
         heapq.heappush(self._host_heap, (node.last_access, node.id, node))
         if len(self._host_heap) > self._host_heap_limit:
-            live = []
-            for entry in self._host_heap:
-                t, _, n = entry
-                if self._host_entry_is_live(t, n):
-                    live.append(entry)
-                elif t == n.host_heap_time:
-                    n.host_heap_time = -1
-            heapq.heapify(live)
-            self._host_heap = live
-            self._host_heap_limit = max(1024, 2 * len(live))
+            self._host_heap = _live_entries(
+                self._host_heap, self._host_entry_is_live, "host_heap_time"
+            )
+            self._host_heap_limit = max(1024, 2 * len(self._host_heap))
 
     @staticmethod
     def _host_entry_is_live(t: int, node: TreeNode) -> bool:
@@ -593,16 +587,8 @@ class RadixCache:
         )
 
     def _compact_heap(self) -> None:
-        live = []
-        for entry in self._heap:
-            t, _, node = entry
-            if self._entry_is_live(t, node):
-                live.append(entry)
-            elif t == node.heap_time:
-                node.heap_time = -1
-        heapq.heapify(live)
-        self._heap = live
-        self._heap_limit = max(1024, 2 * len(live))
+        self._heap = _live_entries(self._heap, self._entry_is_live, "heap_time")
+        self._heap_limit = max(1024, 2 * len(self._heap))
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` device pages (whole nodes, so possibly a few more), or as
@@ -880,3 +866,18 @@ def check_page_ownership(
     assert (counts[1:] == 1).all(), (
         f"pages not owned exactly once: {(np.flatnonzero(counts[1:] != 1) + 1)[:10].tolist()}"
     )
+
+
+def _live_entries(heap: list, is_live, stamp: str) -> list:
+    """A lazy LRU heap without its stale entries, as a heap again. A dropped entry that was its
+    node's current one (the node's `stamp` attribute holds its time) clears that stamp, so the
+    node is pushed anew when it next becomes evictable."""
+    live = []
+    for entry in heap:
+        t, _, node = entry
+        if is_live(t, node):
+            live.append(entry)
+        elif t == getattr(node, stamp):
+            setattr(node, stamp, -1)
+    heapq.heapify(live)
+    return live
