@@ -148,3 +148,14 @@ class Req:
     @property
     def prefill_only(self) -> bool:
         return self.sampling.max_new_tokens == 0
+
+
+@dataclass
+class PlannedReq:
+    """One row of a step: `num_tokens` of `req` computed from kv_len `start`, then sampled
+    (`sample`) or not (a prefill chunk that does not reach the end)."""
+
+    req: Req
+    num_tokens: int
+    sample: bool
+    start: int = -1  # kv_len the step starts from (run-ahead steps; checked when processed)
