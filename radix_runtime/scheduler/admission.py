@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from radix_runtime.scheduler.policy import order_waiting
 from radix_runtime.scheduler.queues import Queues
 from radix_runtime.scheduler.request import PlannedReq, Req, ReqState
 from radix_runtime.scheduler.stats import Counters, SchedulerStats
+
+if TYPE_CHECKING:
+    from radix_runtime.scheduler.planner import Projected
 
 logger = logging.getLogger("radix_runtime.scheduler.scheduler")
 
@@ -196,16 +200,22 @@ class Admission:
     # admitting waiting requests into a step
 
     def admit(
-        self, plan: list[PlannedReq], budget: int, reserve: int, shared_with: list[Req] = ()
+        self,
+        plan: list[PlannedReq],
+        budget: int,
+        reserve: int,
+        running: list[Projected],
+        shared_with: list[Req] = (),
     ) -> None:
-        """Admit waiting requests in policy order; `reserve` pages stay free for the running
-        decoders' next tokens, so an admission never forces a retraction. A request that shares
+        """Admit waiting requests in policy order, next to the `running` requests as the step
+        finds them (planner.py); `reserve` pages stay free for the running decoders' next tokens,
+        so an admission never forces a retraction. A request that shares
         at least IN_BATCH_SHARE_THRESHOLD not-yet-cached prompt tokens with one that is computing
         them waits: with a request admitted in this step, with a running request whose prefill is
         not done (a prefix longer than a chunk is cached chunk by chunk), and with `shared_with`,
         the requests that had prefill rows in the step still in flight (their KV is not in the
         tree yet). Then it matches the whole prefix instead of computing it again."""
-        waiting, running, kv = self.queues.waiting, self.queues.running, self.kv
+        waiting, kv = self.queues.waiting, self.kv
         if not waiting or budget <= 0:
             return
         matches = {}
@@ -224,11 +234,12 @@ class Admission:
             match_node=lambda r: ordering_match(r).node,
         )
         computing: list[Req] | None = None  # built once something can be admitted
+        n_running = len(running)
         for req in ordered:
-            if budget <= 0 or len(running) >= self.max_running or not kv.free_slots:
+            if budget <= 0 or n_running >= self.max_running or not kv.free_slots:
                 break
             if computing is None:
-                computing = self.computing_uncached(shared_with)
+                computing = computing_uncached(running, shared_with)
             match = self.match(req)
             # NOTE: the C++ tree's matches have no host fields (it has no host tier)
             host_len = match.host_length if kv.host_allocator is not None else 0
@@ -245,10 +256,11 @@ class Admission:
             req.sent_pages = 0
             req.state = ReqState.RUNNING
             waiting.remove(req)
-            running.append(req)
+            self.queues.running.append(req)
+            n_running += 1
             computing.append(req)
             sample = req.kv_len + n == req.all_len and not req.prefill_only
-            plan.append(PlannedReq(req, n, sample))
+            plan.append(PlannedReq(req, n, sample, start=req.kv_len))
             budget -= n
 
     def _count_admission(self, req: Req, matched: int, host_len: int, loaded: int) -> None:
@@ -269,12 +281,6 @@ class Admission:
                 req.admitted_at - req.arrived_at,
                 host_cached_tokens=loaded,
             )
-
-    def computing_uncached(self, shared_with: list[Req]) -> list[Req]:
-        """The requests computing prompt tokens that are not in the tree yet: `shared_with` and
-        the running requests whose prefill is not done (each once; Req hashes by identity)."""
-        prefilling = (r for r in self.queues.running if not r.is_decoding and r.remaining_fill > 0)
-        return list(dict.fromkeys([*shared_with, *prefilling]))
 
     @staticmethod
     def match_limit(req: Req) -> int:
@@ -308,3 +314,10 @@ class Admission:
             if shared >= IN_BATCH_SHARE_THRESHOLD:
                 return True
         return False
+
+
+def computing_uncached(running: list[Projected], shared_with: list[Req]) -> list[Req]:
+    """The requests computing prompt tokens that are not in the tree yet: `shared_with` and
+    the running requests whose prefill is not done (each once; Req hashes by identity)."""
+    prefilling = (v.req for v in running if not v.is_decoding and v.remaining_fill > 0)
+    return list(dict.fromkeys([*shared_with, *prefilling]))

@@ -13,6 +13,8 @@ N, `schedule_ahead(plan N)` builds step N+1 before N's result is processed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from radix_runtime.config import ServerArgs
@@ -23,8 +25,42 @@ from radix_runtime.scheduler.queues import Queues
 from radix_runtime.scheduler.request import PlannedReq, Req, ReqState
 from radix_runtime.scheduler.stats import Counters
 
-# an output token sampled by the in-flight step, not known yet (only while schedule_ahead runs)
-PENDING_TOKEN = -1
+
+@dataclass(frozen=True, slots=True)
+class Projected:
+    """A running request as the step being planned finds it: as it is now, or (the overlap
+    schedule) as the step in flight leaves it, before that step's result is processed."""
+
+    req: Req
+    kv_len: int
+    all_len: int
+    has_output: bool
+    pending: bool = False  # its last output token is the in-flight step's sample, unknown yet
+
+    @classmethod
+    def now(cls, req: Req) -> Projected:
+        return cls(req, req.kv_len, req.all_len, bool(req.output_ids))
+
+    @classmethod
+    def after(cls, row: PlannedReq) -> Projected:
+        """`row`'s request once its row is computed (and sampled, with `row.sample`)."""
+        req = row.req
+        return cls(
+            req,
+            req.kv_len + row.num_tokens,
+            req.all_len + row.sample,
+            bool(req.output_ids) or row.sample,
+            pending=row.sample,
+        )
+
+    @property
+    def remaining_fill(self) -> int:
+        """Tokens still to compute before the next token can be sampled."""
+        return self.all_len - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.remaining_fill == 1 and self.has_output
 
 
 class Planner:
@@ -42,39 +78,45 @@ class Planner:
 
     def schedule(self) -> tuple[ForwardBatch, list[PlannedReq]] | None:
         """The next step, with nothing in flight."""
-        plan = self.plan()
+        plan = self.plan(self.now())
         if not plan:
             return None
         return self.make_batch(plan), plan
 
-    def plan(self, ahead: bool = False, shared_with: list[Req] = ()) -> list[PlannedReq] | None:
-        """The next step's rows. `ahead` (schedule_ahead): never retract or finish a request
-        here; None when that would be needed (the caller falls back)."""
+    def now(self) -> list[Projected]:
+        return [Projected.now(r) for r in self.queues.running]
+
+    def plan(
+        self, views: list[Projected], shared_with: list[Req] = (), ahead: bool = False
+    ) -> list[PlannedReq] | None:
+        """The next step's rows, for the running requests as `views` (in running order) show
+        them. `ahead` (schedule_ahead): never retract or finish a request here; None when that
+        would be needed (the caller falls back)."""
         running = self.queues.running
         plan: list[PlannedReq] = []
         budget = self.args.chunked_prefill_size
         if self.args.enable_mixed_chunk:
-            if not self._schedule_decodes(plan, ahead):
+            if not self._schedule_decodes(plan, views, ahead):
                 return None
-            budget = self._schedule_running_prefills(plan, max(budget - len(plan), 0))
-            self.admission.admit(plan, budget, self._decode_reserve(), shared_with)
+            budget = self._schedule_running_prefills(plan, views, max(budget - len(plan), 0))
+            self.admission.admit(plan, budget, _decode_reserve(views), views, shared_with)
         else:
             # prefill-first; the decoders' next pages stay free, so a prefill never forces a
             # retraction, and a prefill that cannot go now leaves the step to the decodes
-            reserve = self._decode_reserve()
-            budget = self._schedule_running_prefills(plan, budget, reserve)
-            self.admission.admit(plan, budget, reserve, shared_with)
+            reserve = _decode_reserve(views)
+            budget = self._schedule_running_prefills(plan, views, budget, reserve)
+            self.admission.admit(plan, budget, reserve, views, shared_with)
             if not plan:
                 before = len(running)
-                if not self._schedule_decodes(plan, ahead):
+                if not self._schedule_decodes(plan, views, ahead):
                     return None
                 if not plan and len(running) < before:
                     # every decoder left: their pages may fit a prefill
-                    return self.plan(ahead, shared_with)
+                    return self.plan(self.now())
         if not plan and len(running) > 1 and not ahead:
             # every running request is mid-prefill and none can grow: free the newest one's pages
             self.queues.retract(max(running, key=lambda r: r.arrival))
-            return self.plan()
+            return self.plan(self.now())
         return plan or None
 
     # -----------------------------------------------------------------------------------------
@@ -87,13 +129,15 @@ class Planner:
         worker; None when it is not easy, and the caller processes N's result first and then
         schedules as usual (`schedule()`).
 
-        How: N's rows are advanced as if N's result were processed, its sampled tokens being
-        unknown (`PENDING_TOKEN`), then the usual step is planned; a request whose token is
-        pending decodes with `from_last_sample` (the worker feeds it the token its slot just
-        sampled, on the device). Requests that N finishes by length (max_new_tokens, context,
-        prefill-only) stay out of N+1: that is known without the token. Then the advance is
-        undone: `process_result(N)` applies N's result as always, and `process_result(N+1)`
-        finds each row's request where N+1 expected it (`PlannedReq.start`).
+        How: the usual step is planned from a projection of the running requests as N leaves
+        them (`Projected.after`: N's tokens computed, its sampled tokens counted but unknown);
+        no request is changed to get there. A request whose token is pending decodes with
+        `from_last_sample` (the worker feeds it the token its slot just sampled, on the
+        device). Requests that N finishes by length (max_new_tokens, context, prefill-only)
+        stay out of N+1: that is known without the token. `process_result(N)` applies N's
+        result as always, and `process_result(N+1)` finds each row's request where N+1 expected
+        it (`PlannedReq.start`). What planning N+1 does change is what any plan changes: pages
+        and slots taken, requests admitted, the rows' pages sent.
 
         Fall-back cases (None): the overlap schedule is off; the step would need a retraction,
         or to finish a request that cannot grow (memory pressure); nothing to schedule.
@@ -119,102 +163,86 @@ class Planner:
         """
         if self.args.disable_overlap_schedule:
             return None
-        rows = [p for p in inflight if p.req.state is ReqState.RUNNING]
+        rows = {id(p.req): p for p in inflight if p.req.state is ReqState.RUNNING}
         # whose KV computed by N is not in the tree until N's result is processed
-        prefilling_in_n = [p.req for p in rows if not p.req.is_decoding]
-        finishing = set()
-        for p in rows:
-            req = p.req
-            if p.sample:
-                if (
-                    len(req.output_ids) + 1 >= req.sampling.max_new_tokens
-                    or req.all_len + 1 >= self.context_length
-                    or self.may_jump(req)  # its next tokens are not known: it sits N+1 out
-                ):
-                    finishing.add(id(req))
-            elif req.prefill_only and req.kv_len + p.num_tokens >= req.all_len:
-                finishing.add(id(req))
-        for p in rows:  # advance as if N's result were in
-            p.req.kv_len += p.num_tokens
-            if p.sample:
-                p.req.output_ids.append(PENDING_TOKEN)
-                p.req.pending_token = True
-        running = self.queues.running
-        saved = list(running)
-        running[:] = [r for r in saved if id(r) not in finishing]
-        plan: list[PlannedReq] | None = None
-        batch = None
-        try:
-            plan = self.plan(ahead=True, shared_with=prefilling_in_n)
-            if plan:
-                for p in plan:
-                    p.start = p.req.kv_len
-                batch = self.make_batch(plan)
-        finally:
-            kept = {id(r) for r in saved}
-            running[:] = saved + [r for r in running if id(r) not in kept]
-            for p in rows:  # undo the advance
-                p.req.kv_len -= p.num_tokens
-                if p.sample:
-                    p.req.output_ids.pop()
-                    p.req.pending_token = False
-        if batch is None:
+        prefilling_in_n = [p.req for p in rows.values() if not p.req.is_decoding]
+        views = []
+        for req in self.queues.running:
+            row = rows.get(id(req))
+            if row is None:
+                views.append(Projected.now(req))
+            elif not self._finishes_by_length(row):
+                views.append(Projected.after(row))
+        plan = self.plan(views, prefilling_in_n, ahead=True)
+        if not plan:
             return None
-        return batch, plan
+        pending = {id(v.req) for v in views if v.pending}
+        return self.make_batch(plan, pending), plan
+
+    def _finishes_by_length(self, row: PlannedReq) -> bool:
+        """Whether processing `row` surely finishes its request, whatever token it samples (or
+        leaves its next tokens unknown: jump-forward)."""
+        req = row.req
+        if row.sample:
+            return (
+                len(req.output_ids) + 1 >= req.sampling.max_new_tokens
+                or req.all_len + 1 >= self.context_length
+                or self.may_jump(req)  # its next tokens are not known: it sits N+1 out
+            )
+        return req.prefill_only and req.kv_len + row.num_tokens >= req.all_len
 
     # -----------------------------------------------------------------------------------------
     # the running requests' rows
 
-    def _schedule_decodes(self, plan: list[PlannedReq], ahead: bool = False) -> bool:
+    def _schedule_decodes(
+        self, plan: list[PlannedReq], views: list[Projected], ahead: bool = False
+    ) -> bool:
         """Every decoding request gets one token. False (nothing changed) when `ahead` and that
-        needs a retraction."""
+        needs a retraction. A request retracted or ended here leaves `views` too."""
         kv, queues = self.kv, self.queues
-        decoders = [r for r in queues.running if r.is_decoding]
+        decoders = [v for v in views if v.is_decoding]
         # every decoder whose next token starts a new page needs one; retract until they fit
         while decoders:
-            need = sum(1 for r in decoders if kv.pages_needed(r, r.kv_len + 1) > 0)
+            need = sum(1 for v in decoders if kv.pages_needed(v.req, v.kv_len + 1) > 0)
             if kv.available_pages() >= need:
                 break
             if ahead:
                 return False
-            victim = max(decoders, key=lambda r: r.arrival)
+            victim = max(decoders, key=lambda v: v.req.arrival)
             if len(queues.running) == 1:
                 # alone and out of memory: it can never grow, so it ends here
-                queues.outbox.append(queues.end(victim, "length"))
-                decoders.remove(victim)
-                continue
-            queues.retract(victim)
+                queues.outbox.append(queues.end(victim.req, "length"))
+            else:
+                queues.retract(victim.req)
             decoders.remove(victim)
+            views.remove(victim)
         # the decoders' new pages in one allocation (page size 1: every decoder, every step)
-        growing = [r for r in decoders if kv.pages_needed(r, r.kv_len + 1) > 0]
+        growing = [v.req for v in decoders if kv.pages_needed(v.req, v.kv_len + 1) > 0]
         if growing:
             pages = kv.take_pages(len(growing))
             assert pages is not None, "pages were counted as available"
             for req, page in zip(growing, pages.tolist()):
                 req.pages.append(page)
-        plan.extend(PlannedReq(req, 1, True) for req in decoders)
+        plan.extend(PlannedReq(v.req, 1, True, start=v.kv_len) for v in decoders)
         if decoders:
             self.counters.decode_steps += 1
         return True
 
     def _schedule_running_prefills(
-        self, plan: list[PlannedReq], budget: int, reserve: int = 0
+        self, plan: list[PlannedReq], views: list[Projected], budget: int, reserve: int = 0
     ) -> int:
-        for req in self.queues.running:
+        for v in views:
             if budget <= 0:
                 break
-            if req.is_decoding or req.remaining_fill <= 0:
+            if v.is_decoding or v.remaining_fill <= 0:
                 continue
-            n = min(budget, req.remaining_fill)
-            if not self.kv.grow_pages(req, req.kv_len + n, reserve):
+            n = min(budget, v.remaining_fill)
+            if not self.kv.grow_pages(v.req, v.kv_len + n, reserve):
                 break
-            plan.append(PlannedReq(req, n, req.kv_len + n == req.all_len and not req.prefill_only))
+            sample = v.kv_len + n == v.all_len and not v.req.prefill_only
+            plan.append(PlannedReq(v.req, n, sample, start=v.kv_len))
             budget -= n
         return budget
-
-    def _decode_reserve(self) -> int:
-        """Pages to keep free for the running decoders' next tokens (one each, conservatively)."""
-        return sum(1 for r in self.queues.running if r.is_decoding)
 
     def may_jump(self, req: Req) -> bool:
         """Whether the worker may append jump-forward tokens to this request's next token."""
@@ -228,23 +256,25 @@ class Planner:
     # -----------------------------------------------------------------------------------------
     # the batch
 
-    def make_batch(self, plan: list[PlannedReq]) -> ForwardBatch:
+    def make_batch(self, plan: list[PlannedReq], pending: set[int] = frozenset()) -> ForwardBatch:
+        """The batch for `plan`; `pending`: the ids of the requests whose last token is the
+        in-flight step's sample (the worker feeds it from the device)."""
         self.counters.step_id += 1
         batch = ForwardBatch(
             step=self.counters.step_id,
-            reqs=[self._forward_req(p) for p in plan],
+            reqs=[self._forward_req(p, id(p.req) in pending) for p in plan],
             released_slots=self.kv.take_released_slots(),
         )
         if self.kv.host_allocator is not None:
             self.kv.attach_copies(batch)
         return batch
 
-    def _forward_req(self, p: PlannedReq) -> ForwardReq:
+    def _forward_req(self, p: PlannedReq, from_last: bool) -> ForwardReq:
+        """`from_last`: the row's one input token is the in-flight step's sample, which the
+        worker feeds from its device."""
         req = p.req
         new_slot = not req.slot_started
-        start = req.kv_len
-        # run-ahead: the token the in-flight step samples is fed from the worker's device
-        from_last = req.pending_token and start + p.num_tokens == req.all_len
+        start = p.start
         if from_last:
             assert p.num_tokens == 1 and not new_slot, "a pending token is one decode token"
             ids = np.zeros(0, np.int32)
@@ -282,3 +312,8 @@ def _counts_outputs(sp) -> bool:
     """Whether the worker needs a retracted request's earlier outputs: penalties count them,
     a grammar replays them, min_tokens counts them."""
     return sp.needs_penalties or sp.grammar is not None or sp.min_tokens > 0
+
+
+def _decode_reserve(views: list[Projected]) -> int:
+    """Pages to keep free for the running decoders' next tokens (one each, conservatively)."""
+    return sum(1 for v in views if v.is_decoding)

@@ -103,9 +103,6 @@ class Req:
     slot: int | None = None
     sent_pages: int = 0  # how many entries of `pages` the worker's page table already holds
     slot_started: bool = False  # the worker has seen this request in its slot
-    # only while Scheduler.schedule_ahead runs: output_ids[-1] is the token the in-flight step
-    # samples, unknown yet (the worker feeds it from the device: from_last_sample)
-    pending_token: bool = False
 
     # accounting
     arrived_at: float = 0.0  # time.perf_counter() at the scheduler
@@ -158,4 +155,4 @@ class PlannedReq:
     req: Req
     num_tokens: int
     sample: bool
-    start: int = -1  # kv_len the step starts from (run-ahead steps; checked when processed)
+    start: int = -1  # kv_len the row starts from (set by the planner; checked when processed)
