@@ -13,6 +13,15 @@ one of the same requests. Datasets (token ids, EOS ignored):
 
     python bench/serving.py --dataset generated-shared-prefix --rates 1,2,4,inf \
         --compare-no-cache --out serving.json --plot serving.png
+
+The roofline (bench/roofline.py; ``--no-roofline`` skips it): before any server starts, a probe
+(bench/ceilings.py, a subprocess on this machine) measures the device's matmul and copy-bandwidth
+ceilings in the server's dtype and reads the model's shape from the server flags. Each rate's row
+then carries the least time the device needs for the work the requests did (prefill FLOPs of the
+prompt tokens not cached at the matmul ceiling; decode KV bytes, and the weights once per decode
+step, at the copy bandwidth), with the decode steps the server reports for the run
+(``roofline_run``) and with the largest batches its KV pool holds (``roofline``, the ideal), and
+the output tok/s achieved as a fraction of each; and ITL p99 / ITL p50.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import math
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +42,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import common
+from bench import common, roofline
 
 # ---------------------------------------------------------------------------------------------
 # datasets (pure)
@@ -154,6 +165,52 @@ def rate_summary(
     return out
 
 
+def probe_ceilings(opts: argparse.Namespace) -> dict:
+    """bench/ceilings.py in a subprocess: the device's ceilings and the model's shape, measured
+    now (its memory is freed before a server is launched)."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "ceilings.py")]
+    cmd += ["--model", opts.model, "--server-args", opts.server_args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"the ceiling probe failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def roofline_summary(
+    pairs: list[tuple[BenchRequest, common.RequestResult]],
+    probe: dict,
+    before: dict,
+    after: dict,
+    output_tok_s: float,
+) -> dict:
+    """The run's roofline (bench/roofline.py) from the work its requests did, with the decode
+    steps the server reports for the run (`before` / `after`: /get_server_info around it) and
+    with the largest batches its pool holds, and the fraction of each that `output_tok_s` is."""
+    shape = roofline.ModelShape.from_dict(probe["shape"])
+    ceilings = roofline.Ceilings(probe["matmul_TFLOPs"] * 1e12, probe["copy_TBps"] * 1e12)
+    work = [
+        (res.prompt_tokens, res.cached_tokens, res.output_tokens)
+        for _, res in pairs
+        if res.error is None
+    ]
+    page_size = (after.get("cache") or {}).get("page_size", 1)
+    ideal_steps = roofline.ideal_decode_steps(
+        [o for *_, o in work], [i + o for i, _, o in work], after["max_total_tokens"], page_size
+    )
+    run_steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
+    ideal = roofline.workload_roofline(shape, ceilings, work, ideal_steps)
+    ran = roofline.workload_roofline(shape, ceilings, work, run_steps)
+    return {
+        "roofline": ideal,
+        "roofline_fraction": roofline.fraction(output_tok_s, ideal["output_tok_s"]),
+        "roofline_run": ran,
+        "roofline_run_fraction": roofline.fraction(output_tok_s, ran["output_tok_s"]),
+        "retractions": after.get("retractions", 0) - before.get("retractions", 0),
+        "max_running_requests": after.get("max_running_requests"),
+        "pool_tokens": after["max_total_tokens"],
+    }
+
+
 def parse_rates(text: str) -> list[float]:
     rates = [math.inf if r.strip() == "inf" else float(r) for r in text.split(",") if r.strip()]
     if not rates or any(r <= 0 for r in rates):
@@ -169,6 +226,8 @@ def run(opts: argparse.Namespace) -> dict:
     config["host"] = common.host_info()
     requests = None
     sweeps: dict[str, list[dict]] = {}
+    probe = None if opts.no_roofline else probe_ceilings(opts)
+    config["ceilings"] = probe
     for target in common.targets_from_args(opts):
         with common.open_target(target, opts) as url:
             info = common.prepare_server(url, opts.api_key)
@@ -189,12 +248,24 @@ def run(opts: argparse.Namespace) -> dict:
                 if not common.flush_cache(url, opts.api_key):
                     print(f"warning: {url} refused /flush_cache", file=sys.stderr)
                 label = f"{target.label} rate={rate:g}"
+                before = common.get_server_info(url, opts.api_key)
                 pairs, duration = common.run_async(run_rate(url, requests, rate, opts, label))
                 row = {"request_rate": "inf" if math.isinf(rate) else rate}
-                sweep.append({**row, **rate_summary(pairs, duration, page_size)})
+                row.update(rate_summary(pairs, duration, page_size))
+                row["itl_p99_over_p50"] = common.ratio(row["itl_p99_s"], row["itl_p50_s"])
+                if probe is not None:
+                    after = common.get_server_info(url, opts.api_key)
+                    row.update(roofline_summary(pairs, probe, before, after, row["output_tok_s"]))
+                sweep.append(row)
             sweeps[target.label] = sweep
     targets = common.targets_from_args(opts)
-    ceiling = common.CACHE_OFF_REFERENCE if len(targets) > 1 else "none (cache on only)"
+    ceiling = {
+        "cache": common.CACHE_OFF_REFERENCE if len(targets) > 1 else "none (cache on only)",
+        "roofline": None
+        if probe is None
+        else {k: probe[k] for k in ("device", "dtype", "copy_TBps", "matmul_TFLOPs")}
+        | {"measured": "bench/ceilings.py, in this run, before the server(s) started"},
+    }
     return {
         "provenance": common.provenance(ceiling, common.targets_flags(targets)),
         "config": config,
@@ -225,6 +296,42 @@ def print_table(result: dict) -> None:
                 f" {common.fmt(row['hit_rate']):>6} {common.fmt(row['optimal_hit_rate']):>7}"
                 f" {row['errors']:>4}"
             )
+
+
+def print_roofline(result: dict) -> None:
+    """The ratio lines the serving goals are stated in, per server and rate."""
+    probe = result["config"].get("ceilings")
+    if probe:
+        print(
+            f"\nceilings ({probe['device']}, {probe['dtype']}, measured in this run): "
+            f"matmul {probe['matmul_TFLOPs']:.4g} TFLOP/s, copy bandwidth "
+            f"{probe['copy_TBps']:.4g} TB/s"
+        )
+    for label in ("cache_on", "cache_off"):
+        for row in result[label] or []:
+            name = f"{label.replace('cache_', 'cache ')} rate={row['request_rate']}"
+            if "roofline" in row:
+                ideal, ran = row["roofline"], row["roofline_run"]
+                print(
+                    f"{name}: roofline {common.fmt(ideal['output_tok_s'], 1, 0)} tok/s = prefill "
+                    f"{ideal['prefill_s']:.4g} s ({ideal['prefill_flops'] / 1e12:.4g} TFLOP) + decode "
+                    f"{ideal['decode_s']:.4g} s ({ideal['decode_steps']} steps of "
+                    f"{common.fmt(ideal['mean_decode_batch'], 1, 1)}: "
+                    f"{ideal['decode_weight_bytes'] / 1e9:.4g} GB weights + "
+                    f"{ideal['decode_kv_bytes'] / 1e9:.4g} GB KV, {ideal['decode_bound']}-bound)"
+                )
+                print(
+                    f"{name}: roofline_fraction {common.fmt(row['roofline_fraction'])}"
+                    f"  (output {common.fmt(row['output_tok_s'], 1, 0)} tok/s; goal >= 0.85)"
+                )
+                print(
+                    f"{name}: roofline_run_fraction {common.fmt(row['roofline_run_fraction'])}"
+                    f"  (decode steps as run: {ran['decode_steps']}, mean batch "
+                    f"{common.fmt(ran['mean_decode_batch'], 1, 1)}, roofline "
+                    f"{common.fmt(ran['output_tok_s'], 1, 0)} tok/s; retractions "
+                    f"{row['retractions']}; max running {row['max_running_requests']})"
+                )
+            print(f"{name}: itl_p99_over_p50 {common.fmt(row['itl_p99_over_p50'])}  (goal <= 3)")
 
 
 def plot(result: dict, path: str) -> None:
@@ -298,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system-prompt-len", type=int, default=512)
     g.add_argument("--question-len", type=int, default=64)
     g.add_argument("--output-len", type=int, default=64)
+    w.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip the ceiling probe and the roofline (bench/ceilings.py, bench/roofline.py)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", help="write the results as JSON here")
     o.add_argument("--plot", help="write a PNG plot here")
@@ -309,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     common.exit_on_sigterm()
     result = run(opts)
     print_table(result)
+    print_roofline(result)
     if opts.out:
         common.write_json(opts.out, result)
     if opts.plot:
