@@ -104,3 +104,24 @@ def test_serving_roofline_summary_uses_the_servers_decode_steps():
     ran = roofline.workload_roofline(SHAPE, CEILINGS, two, 4)
     assert out["roofline_run_fraction"] == pytest.approx(0.01 / ran["output_tok_s"])
     assert out["retractions"] == 0
+
+
+def test_kernel_phases_name_the_kernels_of_a_decode_step():
+    from bench.kernel_phases import kernel_phase, phase_breakdown
+
+    assert kernel_phase("_gemv_fused_kernel") == "matmul"
+    assert kernel_phase("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "matmul"
+    assert kernel_phase("_decode_split_kernel") == "attention"
+    assert kernel_phase("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>") == "attention"
+    assert kernel_phase("_store_kv_kernel") == "kv_store"
+    assert kernel_phase("_rotary_qk_kernel") == "rope"
+    assert kernel_phase("void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>") == "norm_act"
+    assert kernel_phase("void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>") == "sampling"
+    assert kernel_phase("void at::native::indexSelectSmallIndex<c10::BFloat16>") == "embedding"
+    assert kernel_phase("something_else") == "other"
+    rows = [
+        {"name": "_gemv_fused_kernel", "us": 10.0},
+        {"name": "_decode_split_kernel", "us": 3.0},
+        {"name": "_decode_merge_kernel", "us": 1.0},
+    ]
+    assert list(phase_breakdown(rows).items()) == [("matmul", 10.0), ("attention", 4.0)]
