@@ -28,15 +28,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
+import multiprocessing
+import os
+import queue as queue_module
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
@@ -122,16 +127,22 @@ def make_dataset(opts: argparse.Namespace, token_range: tuple[int, int]) -> list
 
 
 async def run_rate(
-    url: str, requests: list[BenchRequest], rate: float, opts: argparse.Namespace, label: str
+    url: str,
+    requests: list[BenchRequest],
+    rate: float,
+    opts: argparse.Namespace,
+    label: str | None,
+    t0: float | None = None,
 ) -> tuple[list[tuple[BenchRequest, common.RequestResult]], float]:
     """Every request once, paced at ``rate``; (request, result) pairs in issue order and the
-    wall time."""
+    wall time. Times count from `t0` (a ``time.perf_counter()`` value; default: now); `label`
+    None: no progress bar."""
     sem = asyncio.Semaphore(opts.max_concurrency or len(requests))
     pacer = common.PoissonPacer(rate, np.random.default_rng(opts.seed + 1))
     issue = itertools.count()
     done: list[tuple[int, BenchRequest, common.RequestResult]] = []
-    bar = common.progress(len(requests), label)
-    t0 = time.perf_counter()
+    bar = common.progress(len(requests), label) if label is not None else None
+    t0 = time.perf_counter() if t0 is None else t0
 
     async def one(http, req: BenchRequest) -> None:
         await pacer.wait()
@@ -139,16 +150,91 @@ async def run_rate(
             index = next(issue)
             result = await common.stream_generate(http, url, list(req.prompt), req.output_len, t0)
         done.append((index, req, result))
-        bar.update(1)
-        if result.error is not None:
-            bar.write(f"{label}: request failed: {result.error}")
+        if bar is not None:
+            bar.update(1)
+            if result.error is not None:
+                bar.write(f"{label}: request failed: {result.error}")
 
     async with common.make_client(opts.api_key, min(len(requests), 1024) + 4) as http:
         await asyncio.gather(*(one(http, r) for r in requests))
-    bar.close()
+    if bar is not None:
+        bar.close()
     done.sort(key=lambda d: d[0])
     duration = max((r.end_s for _, _, r in done), default=0.0)
     return [(req, res) for _, req, res in done], duration
+
+
+def default_client_procs() -> int:
+    """Client processes for a run: one per 4 cores, at most 8 (one process's event loop parses
+    about 10k streamed events a second; past that the client, not the server, sets the ITL)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+def _client_share(
+    index, url, share, rate, api_key, max_concurrency, seed, barrier, queue
+) -> None:  # fmt: skip
+    """One client process (bench/serving.py --client-procs): its share of the requests at its
+    share of the rate, times on the host's monotonic clock; back as JSON: (share index, [(the
+    request's position in the share, its result)])."""
+    opts = argparse.Namespace(api_key=api_key, max_concurrency=max_concurrency, seed=seed)
+    requests = [BenchRequest(tuple(p), n) for p, n in share]
+    position = {id(r): k for k, r in enumerate(requests)}
+    barrier.wait()
+    pairs, _ = common.run_async(run_rate(url, requests, rate, opts, None, t0=0.0))
+    rows = [(position[id(req)], dataclasses.asdict(res)) for req, res in pairs]
+    queue.put((index, msgspec.json.encode(rows).decode()))
+
+
+def run_rate_procs(
+    url: str, requests: list[BenchRequest], rate: float, opts: argparse.Namespace, label: str
+) -> tuple[list[tuple[BenchRequest, common.RequestResult]], float]:
+    """`run_rate` spread over `opts.client_procs` processes: request i goes to process
+    i mod N, each paces its share at rate / N (together a Poisson process of `rate`) and bounds
+    its in-flight requests by --max-concurrency / N; the pairs come back in issue order (by
+    start time)."""
+    procs = min(opts.client_procs or default_client_procs(), len(requests))
+    if procs <= 1:
+        return common.run_async(run_rate(url, requests, rate, opts, label))
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(procs + 1), ctx.Queue()
+    limit = -(-opts.max_concurrency // procs) if opts.max_concurrency else None
+    children = []
+    for i in range(procs):
+        share = [(list(r.prompt), r.output_len) for r in requests[i::procs]]
+        args = (i, url, share, rate / procs, opts.api_key, limit, opts.seed + 7919 * i)
+        children.append(
+            ctx.Process(target=_client_share, args=(*args, barrier, queue), daemon=True)
+        )
+    for child in children:
+        child.start()
+    print(f"{label}: {len(requests)} requests from {procs} client processes", file=sys.stderr)
+    try:
+        barrier.wait(timeout=120)
+        t0 = time.perf_counter()
+        shares: dict[int, str] = {}
+        while len(shares) < procs:
+            try:
+                index, text = queue.get(timeout=5)
+                shares[index] = text
+            except queue_module.Empty:
+                dead = [c.exitcode for c in children if c.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a client process failed (exit codes {dead})") from None
+    finally:
+        for child in children:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+    pairs = []
+    for i, text in shares.items():
+        share = requests[i::procs]
+        for k, row in msgspec.json.decode(text):
+            res = common.RequestResult(**row)
+            res.start_s -= t0
+            res.end_s -= t0
+            pairs.append((share[k], res))
+    pairs.sort(key=lambda p: p[1].start_s)
+    return pairs, max((res.end_s for _, res in pairs), default=0.0)
 
 
 def rate_summary(
@@ -162,6 +248,10 @@ def rate_summary(
     ok = [i for i, res in enumerate(results) if res.error is None]
     out["optimal_cached_tokens"] = sum(optimal[i] for i in ok)
     out["optimal_hit_rate"] = common.hit_rate(out["optimal_cached_tokens"], out["prompt_tokens"])
+    # a result paired with the wrong request would corrupt the optimal hit rate: count them
+    out["mismatched_results"] = sum(
+        1 for req, res in pairs if res.error is None and res.prompt_tokens != len(req.prompt)
+    )
     return out
 
 
@@ -249,7 +339,7 @@ def run(opts: argparse.Namespace) -> dict:
                     print(f"warning: {url} refused /flush_cache", file=sys.stderr)
                 label = f"{target.label} rate={rate:g}"
                 before = common.get_server_info(url, opts.api_key)
-                pairs, duration = common.run_async(run_rate(url, requests, rate, opts, label))
+                pairs, duration = run_rate_procs(url, requests, rate, opts, label)
                 row = {"request_rate": "inf" if math.isinf(rate) else rate}
                 row.update(rate_summary(pairs, duration, page_size))
                 row["itl_p99_over_p50"] = common.ratio(row["itl_p99_s"], row["itl_p50_s"])
@@ -394,6 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rates", type=parse_rates, default=parse_rates("1,2,4"), help="req/s; inf ok")
     w.add_argument("--max-concurrency", type=int, default=None, help="default: unbounded")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--client-procs",
+        type=int,
+        default=None,
+        help="client processes sending the requests (default: one per 4 cores, at most 8)",
+    )
     r = p.add_argument_group("random dataset")
     r.add_argument("--num-prompts", type=int, default=32)
     r.add_argument("--random-input-len", type=int, default=256)

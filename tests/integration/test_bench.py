@@ -162,7 +162,8 @@ def test_multi_turn_chat_text_mode_paced(default_server, tmp_path):
 # (dataset flags, rates): the random dataset sweeps two rates, the shared-prefix one sends at once
 DATASETS = {
     "random": (
-        ("--num-prompts", "3", "--random-input-len", "24", "--random-output-len", "6"),
+        ("--num-prompts", "3", "--random-input-len", "24", "--random-output-len", "6",
+         "--client-procs", "2"),
         ("16,inf", [16.0, "inf"]),
     ),
     "generated-shared-prefix": (
@@ -196,6 +197,7 @@ def test_serving_sweep(default_server, tmp_path, dataset):
     for row in rows:
         check_section(row, n)
         assert row["itl_p99_over_p50"] >= 1
+        assert row["mismatched_results"] == 0
     if dataset == "random":
         # the roofline from the ceilings measured in the run and the work the requests did
         ceilings = result["config"]["ceilings"]
