@@ -9,7 +9,8 @@ only then is the previous step collected and its result sent, so the device alre
 next step while the host waits. While a step is pending and no batch has arrived, the loop waits
 for whichever comes first, the step finishing (its result goes out at once: a result is never
 held back for the next batch) or a new batch (launched first, then the pending step collected).
-Results go out in step order.
+Results go out in step order. On the CPU there is nothing to overlap (`launch` computes the
+step): a result goes out before the next batch is launched.
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
                     finish(pending)
                 logger.warning("fault injection: hanging at step %d", msg.step)
                 time.sleep(1e9)
+            if pending is not None and runner.device.type == "cpu":
+                # NOTE: on the CPU `launch` computes the whole step, so launching first would hold
+                # a finished result back for a whole step (a first token's TTFT included)
+                finish(pending)
+                pending = None
             try:
                 launched = runner.launch(msg)
             except Exception as exc:
