@@ -25,9 +25,18 @@ from radix_runtime.worker.kv_pool import KVPool
 
 @dataclass
 class _DecodeGroup:
-    rows: torch.Tensor  # [Bd] int64: the token row of each decode request
-    kv_locs: torch.Tensor  # [Bd, max_len] int64, padded with location 0 (the reserved page)
-    mask: torch.Tensor  # [Bd, 1, 1, max_len] bool: True where the key is real
+    rows: torch.Tensor | None  # [Bd] int64: the token row of each decode request; None: all rows
+    kv_locs: torch.Tensor  # [Bd * max_len] int64, padded with location 0 (the reserved page)
+    shape: tuple[int, int]  # (Bd, max_len)
+    mask: torch.Tensor | None  # [Bd, 1, 1, max_len] bool: True where the key is real; None: all
+    span: tuple[int, int] | None = None  # a lone request's keys at pool locations [a, b): a view
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """[Bd, max_len, Hkv, D] from a layer's [locations, Hkv, D] pool: one index_select for
+        the whole group (a view of the pool when a lone request's keys sit in a run of pages)."""
+        if self.span is not None:
+            return flat[self.span[0] : self.span[1]].unsqueeze(0)
+        return flat.index_select(0, self.kv_locs).view(*self.shape, *flat.shape[1:])
 
 
 @dataclass
@@ -89,11 +98,20 @@ class TorchNativeBackend(AttentionBackend):
         locs = np.zeros((len(ids), int(lens.max())), dtype=np.int64)
         for row, i in enumerate(ids):
             locs[row, : lens[row]] = sequence_locations(meta, int(i))[-int(lens[row]) :]
+        padded = bool((lens < locs.shape[1]).any())
         mask = np.arange(locs.shape[1])[None, :] < lens[:, None]
+        span = None
+        if len(ids) == 1 and (np.diff(locs[0]) == 1).all():
+            span = (int(locs[0, 0]), int(locs[0, -1]) + 1)
+        every_row = len(ids) == meta.num_tokens  # a decode-only batch: rows 0..Bd-1 in order
         return _DecodeGroup(
-            rows=torch.from_numpy(meta.qo_indptr_cpu[ids].astype(np.int64)).to(self.device),
-            kv_locs=torch.from_numpy(locs).to(self.device),
-            mask=torch.from_numpy(mask[:, None, None, :]).to(self.device),
+            rows=None
+            if every_row
+            else torch.from_numpy(meta.qo_indptr_cpu[ids].astype(np.int64)).to(self.device),
+            kv_locs=torch.from_numpy(locs.reshape(-1)).to(self.device),
+            shape=locs.shape,
+            mask=torch.from_numpy(mask[:, None, None, :]).to(self.device) if padded else None,
+            span=span,
         )
 
     def _plan_prefill(self, meta: AttentionMetadata, i: int, window: int = 0) -> _PrefillChunk:
@@ -120,26 +138,36 @@ class TorchNativeBackend(AttentionBackend):
         k_all, v_all = kv_pool.k_flat(layer_id), kv_pool.v_flat(layer_id)
         # an FP8 pool is read back through its scales (`_sdpa` dequantizes what it gathered)
         self._read = (kv_pool, layer_id) if kv_pool.is_fp8 else None
-        out = torch.empty_like(q)
         decode, prefills = self._plans[self.window(layer_id)]
+        if decode is not None and decode.rows is None:  # decode only: no scatter into `out`
+            d = decode
+            return self._sdpa(
+                q.unsqueeze(2), d.gather(k_all), d.gather(v_all), d.mask, causal=False
+            ).squeeze(2)
+        out = torch.empty_like(q)
         if decode is not None:
             d = decode
             out[d.rows] = self._sdpa(
-                q[d.rows].unsqueeze(2), k_all[d.kv_locs], v_all[d.kv_locs], d.mask
+                q[d.rows].unsqueeze(2), d.gather(k_all), d.gather(v_all), d.mask, causal=False
             ).squeeze(2)
         for c in prefills:
             q_c = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             mask = c.mask[None, None] if c.mask is not None else None
-            out_c = self._sdpa(
-                q_c, k_all[c.kv_locs].unsqueeze(0), v_all[c.kv_locs].unsqueeze(0), mask
-            )
-            out[c.start : c.end] = out_c[0].transpose(0, 1)
+            k_c = k_all.index_select(0, c.kv_locs).unsqueeze(0)
+            v_c = v_all.index_select(0, c.kv_locs).unsqueeze(0)
+            out[c.start : c.end] = self._sdpa(q_c, k_c, v_c, mask)[0].transpose(0, 1)
         return out
 
     def _sdpa(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool = True,
     ) -> torch.Tensor:
-        """q [B, H, n, D]; k/v [B, L, Hkv, D] as gathered from the pool. Causal when mask is None."""
+        """q [B, H, n, D]; k/v [B, L, Hkv, D] as gathered from the pool. Without a mask: causal
+        (prefill) or every key (`causal=False`: decode rows whose keys need no padding)."""
         if self._read is not None:
             k, v = self._read[0].dequantize(self._read[1], k, v)
         k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
@@ -149,7 +177,7 @@ class TorchNativeBackend(AttentionBackend):
                 k,
                 v,
                 attn_mask=mask,
-                is_causal=mask is None,
+                is_causal=mask is None and causal,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
