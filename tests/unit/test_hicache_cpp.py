@@ -206,7 +206,7 @@ class TieredDifferentialObservedCppPage4(TieredDifferentialPage4):
 
 
 _settings = settings(
-    max_examples=60,
+    max_examples=40,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
