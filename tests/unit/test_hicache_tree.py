@@ -167,7 +167,7 @@ class TieredMachine(RuleBasedStateMachine):
                 self.cache.load_back(m.host_node, got)
                 pages = np.concatenate([m.pages, got])
                 node, length = m.host_node, m.length + m.host_length
-                self.cache.lock(node)
+            self.cache.lock(node)  # the request's own lock (m.node when the load failed)
             self.cache.unlock(m.host_node)
         else:
             self.cache.lock(node)
