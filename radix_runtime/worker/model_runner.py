@@ -114,7 +114,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads())
         torch.manual_seed(args.seed)
-        loaded = load_model(args, self.device, self.dtype)
+        # int4 weights stay packed where the int4 GEMV runs (CUDA, with the kernels)
+        packed_int4 = self.device.type == "cuda" and self.kernels.int4_gemv and kernels_available()
+        loaded = load_model(args, self.device, self.dtype, packed_int4)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.dtype, self.weight_format = loaded.dtype, loaded.weight_format
         self.model_name = loaded.source.name
