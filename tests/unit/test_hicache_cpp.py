@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 from test_radix_cache_cpp import DifferentialMachine, assert_same_state, attempt, same_match
 
-from radix_runtime.scheduler import scheduler as scheduler_module
+from radix_runtime.scheduler import kv as scheduler_module  # builds the scheduler's tree
 from radix_runtime.scheduler.allocator import PageAllocator
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.radix_cache import MatchResult, RadixCache
