@@ -128,9 +128,7 @@ def _gemv_case(n: int, k: int) -> dict:
 
 
 INT4_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
-INT4_CONFIGS = [
-    (bn, bkw, w) for bn in (4, 8, 16, 32) for bkw in (16, 32, 64, 128) for w in (2, 4, 8)
-]
+INT4_CONFIGS = [(bn, bkw, w) for bn in (4, 8, 16) for bkw in (32, 64, 128, 256) for w in (4, 8)]
 
 
 def gemv_int4_sweep(copies_bytes: float = 256e6) -> dict:
