@@ -7,8 +7,9 @@ The layout (what worker/quant.py's `Int4Linear` holds, repacked at load from AWQ
   (G a multiple of 8);
 - w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G].
 
-The kernel never forms w: per packed word it takes the 8 products q * x and the 8 inputs' sum,
-and adds scale * (sum(q * x) - zero * sum(x)) (the zero point folded out of the inner loop).
+The kernel never forms w: per packed word it takes the 8 products q * x (each nibble shifted out
+of the word in registers) and the 8 inputs' sum, and adds scale * (sum(q * x) - zero * sum(x))
+(the zero point folded out of the inner loop).
 Each program owns BLOCK_N whole rows of one input row (no split-K, no atomics: the same bits every
 run); the input rows of a small batch are the grid's fastest axis, so the programs that read the
 same weight rows run together and share them through L2.
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from radix_runtime.worker.kernels._triton import tl, triton
 
 # (BLOCK_N rows, BLOCK_KW packed words = 8 * BLOCK_KW input columns, num_warps)
-INT4_GEMV_DEFAULT_CONFIG = (8, 64, 4)
+INT4_GEMV_DEFAULT_CONFIG = (8, 128, 4)
 
 
 @triton.jit
@@ -48,7 +49,7 @@ def _int4_gemv_kernel(
     row_ok = rn < N
     rows = rn.to(tl.int64)
     kw_total = K // 8
-    nibble = tl.arange(0, 8)
+    x_row = x_ptr + m * x_stride
     acc = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
     for kw0 in range(0, kw_total, BLOCK_KW):
         jw = kw0 + tl.arange(0, BLOCK_KW)  # packed word index along K
@@ -56,11 +57,14 @@ def _int4_gemv_kernel(
         ok = row_ok[:, None] & w_ok[None, :]
         words = tl.load(qw_ptr + rows[:, None] * kw_total + jw[None, :], mask=ok, other=0,
                         eviction_policy="evict_first")  # fmt: skip
-        q = ((words[:, :, None] >> (nibble * 4)[None, None, :]) & 0xF).to(tl.float32)
-        x = tl.load(x_ptr + m * x_stride + jw[:, None] * 8 + nibble[None, :], mask=w_ok[:, None],
-                    other=0.0).to(tl.float32)  # fmt: skip
-        qx = tl.sum(q * x[None, :, :], axis=2)  # [BLOCK_N, BLOCK_KW]: one packed word each
-        xs = tl.sum(x, axis=1)  # [BLOCK_KW]
+        # per word: sum over its 8 nibbles of q * x, and of x (each nibble from the word in
+        # registers: shift and mask, no layout change)
+        qx = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
+        xs = tl.zeros((BLOCK_KW,), dtype=tl.float32)
+        for i in tl.static_range(8):
+            xi = tl.load(x_row + jw * 8 + i, mask=w_ok, other=0.0).to(tl.float32)
+            qx += ((words >> (4 * i)) & 0xF).to(tl.float32) * xi[None, :]
+            xs += xi
         sz = rows[:, None] * groups + ((jw * 8) // GROUP)[None, :]
         s = tl.load(s_ptr + sz, mask=ok, other=0.0)
         z = tl.load(z_ptr + sz, mask=ok, other=0).to(tl.float32)
@@ -113,11 +117,15 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     return (packed - ((packed >> 31) << 32)).to(torch.int32)  # two's complement into int32
 
 
+def _nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K/8] -> int32 [N, K] in 0..15 (an arithmetic shift, then the low 4 bits)."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    return ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+
+
 def unpack_int4_rows(qweight: torch.Tensor) -> torch.Tensor:
     """int32 [N, K/8] -> int64 [N, K] in 0..15."""
-    p = qweight.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, device=p.device)
-    return ((p[:, :, None] >> shifts) & 0xF).reshape(p.shape[0], -1)
+    return _nibbles(qweight).long()
 
 
 def dequantize_int4(
@@ -127,12 +135,18 @@ def dequantize_int4(
     group_size: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The layout's W [N, K]: (q - zero) * scale per group, computed in float32, then `dtype`."""
-    q = unpack_int4_rows(qweight).float()
-    k = q.shape[1]
-    z = zeros.float().repeat_interleave(group_size, dim=1)[:, :k]
-    s = scales.float().repeat_interleave(group_size, dim=1)[:, :k]
-    return ((q - z) * s).to(dtype)
+    """The layout's W [N, K]: (q - zero) * scale per group, computed in float32, then `dtype`.
+    (Also what a packed layer runs for more rows than the GEMV takes: in place where it can, so
+    the largest 8B projection needs ~1 GB of scratch, not 4.)"""
+    w = _nibbles(qweight).float()
+    n, k = w.shape
+    if k % group_size == 0:
+        g = w.view(n, k // group_size, group_size)
+        g.sub_(zeros.float()[..., None]).mul_(scales.float()[..., None])
+    else:  # a partial last group
+        w.sub_(zeros.float().repeat_interleave(group_size, dim=1)[:, :k])
+        w.mul_(scales.float().repeat_interleave(group_size, dim=1)[:, :k])
+    return w.to(dtype)
 
 
 def int4_gemv_torch(
