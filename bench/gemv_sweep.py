@@ -1,11 +1,11 @@
 """Batch-1 GEMV configurations on the GPU, at the 8B model's projection shapes (bf16).
 
 A decode step of one request streams every weight once, so each projection is a matrix-vector
-product bound by memory bandwidth. This sweep times `gpu_ops.gemv` over a grid of
+product bound by memory bandwidth. This sweep times `kernels/gemv.py`'s `gemv` over a grid of
 (BLOCK_N, BLOCK_K, num_warps) for each case a one-token layer runs (plain; RMSNorm or
 SiLU-and-mul prologue; residual-add epilogue), against cuBLAS (F.linear) in the same run, alone
 and after FlashInfer's RMSNorm (the unfused alternative to a norm prologue). The JSON's `cases`
-are what `gpu_ops` reads from $RADIX_RUNTIME_GEMV_CONFIGS (gpu_ops.GEMV_CONFIGS holds the H200's).
+are what `KernelConfig` reads from $RADIX_RUNTIME_GEMV_CONFIGS (gemv.GEMV_CONFIGS holds the H200's).
 
 Timing: each variant runs over `copies` distinct weights of the shape (together far larger than
 the 60 MB L2, as 32 layers are; one weight timed alone would be served from L2) inside one CUDA
@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import provenance  # noqa: E402
-from radix_runtime.worker import gpu_ops  # noqa: E402
+from radix_runtime.worker.kernels import gemv, norms  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -85,17 +85,17 @@ def configs() -> list[tuple[int, int, int]]:
 
 
 CASES = [  # (shape, prologue, add): the products of a fused one-token layer, and plain ones
-    ("qkv", gpu_ops.GEMV_PLAIN, False),
-    ("qkv", gpu_ops.GEMV_NORM, False),
-    ("o", gpu_ops.GEMV_PLAIN, False),
-    ("o", gpu_ops.GEMV_PLAIN, True),
-    ("gate_up", gpu_ops.GEMV_PLAIN, False),
-    ("gate_up", gpu_ops.GEMV_NORM, False),
-    ("down", gpu_ops.GEMV_PLAIN, False),
-    ("down", gpu_ops.GEMV_SILU, True),
-    ("lm_head", gpu_ops.GEMV_PLAIN, False),
+    ("qkv", gemv.GEMV_PLAIN, False),
+    ("qkv", gemv.GEMV_NORM, False),
+    ("o", gemv.GEMV_PLAIN, False),
+    ("o", gemv.GEMV_PLAIN, True),
+    ("gate_up", gemv.GEMV_PLAIN, False),
+    ("gate_up", gemv.GEMV_NORM, False),
+    ("down", gemv.GEMV_PLAIN, False),
+    ("down", gemv.GEMV_SILU, True),
+    ("lm_head", gemv.GEMV_PLAIN, False),
 ]
-MODE = {gpu_ops.GEMV_PLAIN: "plain", gpu_ops.GEMV_NORM: "norm", gpu_ops.GEMV_SILU: "silu"}
+MODE = {gemv.GEMV_PLAIN: "plain", gemv.GEMV_NORM: "norm", gemv.GEMV_SILU: "silu"}
 
 
 def main() -> None:
@@ -124,7 +124,7 @@ def main() -> None:
         # the unfused alternative to a norm prologue: FlashInfer's RMSNorm kernel, then cuBLAS
         pairs = []
         for w in ws:
-            pairs += [partial(gpu_ops.rmsnorm, x, norm_w, 1e-5), partial(F.linear, x, w)]
+            pairs += [partial(norms.rmsnorm, x, norm_w, 1e-5), partial(F.linear, x, w)]
         ref["rmsnorm_then_cublas_us"] = graph_us(pairs) * 2
         for key in ("cublas_us", "rmsnorm_then_cublas_us"):
             ref[key.replace("_us", "_TBps")] = nbytes / ref[key] / 1e6
@@ -134,10 +134,10 @@ def main() -> None:
             if case_name != name:
                 continue
             kw: dict = {}
-            xin = x2 if prologue == gpu_ops.GEMV_SILU else x
-            if prologue == gpu_ops.GEMV_SILU:
+            xin = x2 if prologue == gemv.GEMV_SILU else x
+            if prologue == gemv.GEMV_SILU:
                 kw["silu"] = True
-            elif prologue == gpu_ops.GEMV_NORM:
+            elif prologue == gemv.GEMV_NORM:
                 kw.update(norm_weight=norm_w, eps=1e-5)
             if add:
                 kw["add_to"] = res
@@ -147,7 +147,7 @@ def main() -> None:
                 if time.time() - t_start > args.budget_s:
                     break
                 try:
-                    sweep[cfg] = graph_us([partial(gpu_ops.gemv, xin, w, config=cfg, **kw)
+                    sweep[cfg] = graph_us([partial(gemv.gemv, xin, w, config=cfg, **kw)
                                            for w in ws])  # fmt: skip
                 except Exception as exc:  # a config Triton cannot compile (resources): skip it
                     print(f"{label} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -157,11 +157,11 @@ def main() -> None:
             if add:
                 r1, r2 = res.clone(), res.clone()
                 kw1, kw2 = dict(kw, add_to=r1), dict(kw, add_to=r2)
-                a = gpu_ops.gemv(xin, ws[0], config=best, **kw1).float() - res.float()
-                b = gpu_ops.gemv_torch(xin, ws[0], **kw2).float() - res.float()
+                a = gemv.gemv(xin, ws[0], config=best, **kw1).float() - res.float()
+                b = gemv.gemv_torch(xin, ws[0], **kw2).float() - res.float()
             else:
-                a = gpu_ops.gemv(xin, ws[0], config=best, **kw).float()
-                b = gpu_ops.gemv_torch(xin, ws[0], **kw).float()
+                a = gemv.gemv(xin, ws[0], config=best, **kw).float()
+                b = gemv.gemv_torch(xin, ws[0], **kw).float()
             case = {
                 "name": label,
                 "rows": n,

@@ -27,11 +27,14 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import provenance  # noqa: E402
-from radix_runtime.worker import gpu_ops  # noqa: E402
+from radix_runtime.worker.kernels import KernelConfig, activation, norms, rope  # noqa: E402
+from radix_runtime.worker.kernels.kv_store import store_kv, store_kv_torch  # noqa: E402
+from radix_runtime.worker.kernels.ops import FusedOps  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 H, HKV, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
+OPS = FusedOps(KernelConfig(triton_gemv=True))  # single rows through the Triton GEMV
 
 
 def us(fn, graph: bool = True) -> dict:
@@ -70,8 +73,8 @@ def kv_store(rows: list) -> None:
             "store_kv",
             n,
             "triton",
-            partial(gpu_ops.store_kv, k_cache, v_cache, loc, k, v),
-            partial(gpu_ops.store_kv_torch, k_cache, v_cache, loc, k, v),
+            partial(store_kv, k_cache, v_cache, loc, k, v),
+            partial(store_kv_torch, k_cache, v_cache, loc, k, v),
         )
 
 
@@ -88,8 +91,8 @@ def rotary(rows: list) -> None:
             "rotary_qk",
             n,
             "triton",
-            partial(gpu_ops.rotary_qk, qkv, cos, sin, H, HKV, D),
-            partial(gpu_ops.rotary_qk_torch, qkv, cos, sin, H, HKV, D),
+            partial(rope.rotary_qk, qkv, cos, sin, H, HKV, D),
+            partial(rope.rotary_qk_torch, qkv, cos, sin, H, HKV, D),
         )
 
 
@@ -108,7 +111,7 @@ def norm_and_act(rows: list) -> None:
             "add_rmsnorm",
             n,
             "flashinfer",
-            partial(gpu_ops.fused_add_rmsnorm, x, res, w, 1e-5),
+            partial(norms.fused_add_rmsnorm, x, res, w, 1e-5),
             partial(torch_add_norm, x, res),
         )
         gu = torch.randn(n, 2 * INTER, device=DEV, dtype=BF16)
@@ -118,7 +121,7 @@ def norm_and_act(rows: list) -> None:
             "silu_and_mul",
             n,
             "flashinfer",
-            partial(gpu_ops._fi_silu_and_mul, gu),
+            partial(activation._fi_silu_and_mul, gu),
             partial(torch_silu_and_mul, gu),
         )
         compare(
@@ -126,7 +129,7 @@ def norm_and_act(rows: list) -> None:
             "silu_and_mul",
             n,
             "triton",
-            partial(gpu_ops.silu_and_mul_triton, gu),
+            partial(activation.silu_and_mul_triton, gu),
             partial(torch_silu_and_mul, gu),
         )
 
@@ -143,9 +146,8 @@ def gemv(rows: list) -> None:
         w = torch.randn(n, k, device=DEV, dtype=BF16)
         x = torch.randn(1, k, device=DEV, dtype=BF16)
         ref = F.linear(x.double(), w.double())
-        gpu_ops.USE_TRITON_GEMV = True
-        err = ((gpu_ops.linear(x, w, None).double() - ref).norm() / ref.norm()).item()
-        a = us(partial(gpu_ops.linear, x, w, None))
+        err = ((OPS.linear(x, w, None).double() - ref).norm() / ref.norm()).item()
+        a = us(partial(OPS.linear, x, w, None))
         b = us(partial(F.linear, x, w))
         for mode in a:
             rows.append(

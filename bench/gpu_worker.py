@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 from bench.common import provenance, safe_token_range
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
-from radix_runtime.worker import gpu_ops
 from radix_runtime.worker.cuda_graph import CudaGraphRunner
+from radix_runtime.worker.kernels import gemv
 from radix_runtime.worker.model_runner import ModelRunner
 
 GREEDY = m.SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
@@ -103,7 +104,7 @@ def read_bandwidth_TBps(rows: int = 128256, cols: int = 4096, copies: int = 4) -
 
     ws = [torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
-    us = graph_us([lambda w=w: gpu_ops.gemv(x, w) for w in ws])
+    us = graph_us([lambda w=w: gemv.gemv(x, w) for w in ws])
     del ws
     torch.cuda.empty_cache()
     return rows * cols * 2 / us / 1e6
@@ -355,9 +356,10 @@ def experiments(
         "cublas_all": (False, False, True),
         "cuda_core_attention": (True, True, False),
     }
+    base = runner.kernels
     for name, (row_fusion, triton_gemv, tensor_cores) in variants.items():
-        saved = gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV, runner.attn.tensor_cores
-        gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV = row_fusion, triton_gemv
+        saved = runner.attn.tensor_cores
+        runner.use_kernels(replace(base, row_fusion=row_fusion, triton_gemv=triton_gemv))
         runner.attn.tensor_cores = tensor_cores
         runner.attn._graph_wrappers.pop(1, None)
         runner.cuda_graphs = CudaGraphRunner(
@@ -367,7 +369,8 @@ def experiments(
         replay_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
         exp[name] = {"step_ms": step_ms, "graph_replay_ms": replay_ms}
         print(f"variant {name}: step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms")
-        gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV, runner.attn.tensor_cores = saved
+        runner.use_kernels(base)
+        runner.attn.tensor_cores = saved
         runner.attn._graph_wrappers.pop(1, None)
     runner.cuda_graphs = graphs  # the original graph with the wrapper it was captured with
     runner.attn._graph_wrappers[1] = wrapper
@@ -499,10 +502,12 @@ def main() -> None:
             ("unfused", False, True, 0),
             ("cublas", False, False, 0),
         )
-        small = gpu_ops.TRITON_DECODE_MAX_BS
+        base = runner.kernels
         for name, row_fusion, triton_gemv, triton_decode in variants:
-            gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV = row_fusion, triton_gemv
-            gpu_ops.TRITON_DECODE_MAX_BS = triton_decode
+            runner.use_kernels(
+                replace(base, row_fusion=row_fusion, triton_gemv=triton_gemv,
+                        triton_decode_max_bs=triton_decode)
+            )  # fmt: skip
             runner.cuda_graphs = CudaGraphRunner(
                 runner.model, runner.attn, runner.kv_pool, 1, runner.max_pages_per_slot,
                 runner.device,
@@ -515,8 +520,7 @@ def main() -> None:
             results[f"decode_bs1_{name}_graph_profile"] = kernel_profile(
                 runner.cuda_graphs.graphs[1].replay, 5
             )
-        gpu_ops.ROW_FUSION, gpu_ops.USE_TRITON_GEMV = True, True
-        gpu_ops.TRITON_DECODE_MAX_BS = small
+        runner.use_kernels(base)
 
     if args.out:
         ceiling = {

@@ -104,18 +104,18 @@ def gemv_fp8_sweep() -> dict:
 
 
 def _gemv_case(n: int, k: int) -> dict:
-    from radix_runtime.worker import gpu_ops
+    from radix_runtime.worker.kernels import gemv
 
-    base = gpu_ops.GEMV_CONFIGS.get((n, k, gpu_ops.GEMV_PLAIN, False), (4, 1024, 4))
+    base = gemv.GEMV_CONFIGS.get((n, k, gemv.GEMV_PLAIN, False), (4, 1024, 4))
     w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     scale = w16.float().abs().amax(1) / 448.0
     w8 = (w16.float() / scale[:, None]).to(torch.float8_e4m3fn)
-    bf16_ms = cuda_time_ms(lambda: gpu_ops.gemv(x, w16), 5, 50)
+    bf16_ms = cuda_time_ms(lambda: gemv.gemv(x, w16), 5, 50)
     case = {"bf16_us": bf16_ms * 1e3, "bf16_TBps": 2 * n * k / (bf16_ms * 1e-3) / 1e12}
     for f in (1, 2, 4):
         cfg = (base[0] * f, base[1], base[2])
-        ms = cuda_time_ms(lambda c=cfg: gpu_ops.gemv(x, w8, w_scale=scale, config=c), 5, 50)
+        ms = cuda_time_ms(lambda c=cfg: gemv.gemv(x, w8, w_scale=scale, config=c), 5, 50)
         case[f"fp8_rows_x{f}_us"] = ms * 1e3
         case[f"fp8_rows_x{f}_TBps"] = n * k / (ms * 1e-3) / 1e12
     return case

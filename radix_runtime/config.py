@@ -114,7 +114,7 @@ class ServerArgs:
         if self.cache_isolation == "api-key" and not (self.api_keys() or self.api_key_file):
             raise ValueError("--cache-isolation api-key needs --api-key or --api-key-file")
         if self.api_key_file:
-            from radix_runtime.server.tenancy import load_tenants  # (it imports this module)
+            from radix_runtime.frontend.tenancy import load_tenants  # (it imports this module)
 
             try:
                 load_tenants(self)

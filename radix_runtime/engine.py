@@ -7,7 +7,8 @@
 
 `generate` takes what the native `/generate` route takes (text or input_ids, one or a batch,
 `sampling_params` as a dict) and returns the same JSON-shaped dicts; validation errors raise
-`ValueError` with the HTTP layer's message.
+`ValueError` with the HTTP layer's message: both build their inputs with
+`frontend.builders.InputBuilder`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Any
 import msgspec
 
 from radix_runtime.config import ServerArgs
+from radix_runtime.frontend.builders import InputBuilder
+from radix_runtime.frontend.errors import ApiError, GenerationError
+from radix_runtime.frontend.generations import Generations
+from radix_runtime.frontend.schemas import NativeGenerateRequest, decode_request
 from radix_runtime.launch import Children, load_frontend
 from radix_runtime.model_source import resolve_model
-from radix_runtime.server import protocol as P
-from radix_runtime.server.errors import ApiError, GenerationError
-from radix_runtime.server.http_server import _Api, _Run
 from radix_runtime.server.tokenizer_manager import TokenizerManager
 from radix_runtime.worker.model_config import preflight
 
@@ -54,7 +56,7 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
-        self._api = _Api(self.manager, self.args)
+        self.builder = InputBuilder(self.manager, self.args)
 
     @property
     def tokenizer(self):
@@ -82,9 +84,9 @@ class Engine:
             "top_logprobs_num": top_logprobs_num,
         }
         try:
-            req = P.decode_request(msgspec.json.encode(body), P.NativeGenerateRequest)
-            inputs, renderer = self._api.native_inputs(req)
-            run = _Run(self.manager, inputs)
+            req = decode_request(msgspec.json.encode(body), NativeGenerateRequest)
+            inputs, renderer = self.builder.native(req)
+            run = Generations(self.manager, inputs)
             try:
                 states = await run.collect()
             finally:

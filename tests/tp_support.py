@@ -59,7 +59,7 @@ def main() -> None:
         args = runner_args(model, device, size)
         if device == "cuda":
             args = args.replace(dtype="bfloat16")
-        runner = ModelRunner(args, tp)
+        runner = ModelRunner(args, tp=tp)
         got[model] = run_steps(runner)
         del runner
     if rank == 0:

@@ -1,9 +1,10 @@
 """The HTTP front: FastAPI routes on uvicorn + uvloop.
 
 A generation request goes: auth (middleware) -> serving gate (healthy, not draining) -> body read
-with a size cap -> msgspec decode + validation (``protocol``) -> chat template / tokenization ->
-one ``GenerateInput`` per choice -> ``_Run`` drives them through ``TokenizerManager.generate``
-concurrently -> a renderer shapes JSON or SSE.
+with a size cap -> msgspec decode (``frontend.schemas``) -> validation, chat template and
+tokenization into one ``GenerateInput`` per choice (``frontend.builders``) -> ``Generations``
+drives them through ``TokenizerManager.generate`` concurrently -> a renderer
+(``frontend.rendering``) shapes JSON or SSE.
 
 A client that goes away is noticed while it waits (streaming or not) and every generation that
 has not finished is aborted, so the scheduler unlocks its pages.
@@ -27,28 +28,27 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radix_runtime.config import ServerArgs
-from radix_runtime.server import protocol as P
-from radix_runtime.server.errors import (
+from radix_runtime.frontend.builders import InputBuilder
+from radix_runtime.frontend.contract import GenerateInput
+from radix_runtime.frontend.errors import (
     AUTHENTICATION,
     SERVER_ERROR,
     ApiError,
     GenerationError,
     error_body,
-    error_response,
-    install_error_handlers,
 )
+from radix_runtime.frontend.generations import Generations
+from radix_runtime.frontend.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NativeGenerateRequest,
+    decode_request,
+)
+from radix_runtime.frontend.tenancy import Tenant, find_tenant, load_tenants
+from radix_runtime.server.errors import error_response, install_error_handlers
 from radix_runtime.server.observability import install_observability_routes
 from radix_runtime.server.openapi import install_openapi, route_openapi
-from radix_runtime.server.tenancy import Tenant, cache_namespace, find_tenant, load_tenants
 from radix_runtime.server.tokenize_routes import install_tokenize_routes
-from radix_runtime.server.tools import (
-    ToolPlan,
-    history_for_template,
-    plan_tools,
-    resolve_parser,
-    with_fallback_prompt,
-)
-from radix_runtime.tokenizer.chat_template import CHATML_TEMPLATE, supports_tools
 
 logger = logging.getLogger(__name__)
 
@@ -68,84 +68,7 @@ _SSE_DONE = b"data: [DONE]\n\n"
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 # ---------------------------------------------------------------------------------------------
-# running generations
-
-
-_background: set[asyncio.Task] = set()
-
-
-def _spawn(coro: Awaitable[Any]) -> None:
-    """Fire and forget, keeping a reference; used for aborts, which must run even while the task
-    that asks for them is being cancelled."""
-
-    async def run() -> None:
-        try:
-            await coro
-        except Exception:
-            logger.exception("background task failed")
-
-    task = asyncio.get_running_loop().create_task(run())
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
-class _Run:
-    """The generations of one HTTP request, run concurrently; ``next()`` yields their increments
-    in arrival order. ``close()`` cancels what is still running and aborts it in the scheduler."""
-
-    def __init__(self, manager: Any, inputs: list[P.GenerateInput]) -> None:
-        self.manager = manager
-        self.states = [P.ChoiceState(i, inp.rid, inp.input_ids) for i, inp in enumerate(inputs)]
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._running = len(inputs)
-        self._unfinished = {inp.rid for inp in inputs}
-        self._tasks = [asyncio.create_task(self._pump(i, inp)) for i, inp in enumerate(inputs)]
-
-    async def _pump(self, index: int, inp: P.GenerateInput) -> None:
-        try:
-            async for chunk in self.manager.generate(inp):
-                self._queue.put_nowait((index, chunk))
-        except Exception as exc:
-            self._queue.put_nowait((index, exc))
-            return
-        self._queue.put_nowait((index, None))
-
-    async def next(self) -> tuple[P.ChoiceState, P.GenerateChunk] | None:
-        """The next increment of any generation; None once all have finished. Raises the first
-        GenerationError."""
-        while self._running:
-            index, item = await self._queue.get()
-            state = self.states[index]
-            if item is None:  # this generator is exhausted
-                self._running -= 1
-                self._unfinished.discard(state.rid)
-                if state.finish_reason is None:
-                    logger.warning("generation %s ended without a finish reason", state.rid)
-                    state.finish_reason = "abort"
-                continue
-            if isinstance(item, Exception):
-                self._running -= 1
-                self._unfinished.discard(state.rid)  # the manager already dropped it
-                raise item
-            state.add(item)
-            if item.finish_reason is not None:
-                self._unfinished.discard(state.rid)
-            return state, item
-        return None
-
-    async def collect(self) -> list[P.ChoiceState]:
-        while await self.next() is not None:
-            pass
-        return self.states
-
-    def close(self) -> None:
-        """Idempotent, synchronous (safe inside a cancelled task)."""
-        for task in self._tasks:
-            if not task.done():
-                task.cancel()
-        for rid in self._unfinished:
-            _spawn(self.manager.abort(rid))
-        self._unfinished.clear()
+# client disconnects
 
 
 class _ClientGone(Exception):
@@ -250,27 +173,15 @@ class _AuthMiddleware:
 # the routes
 
 
-class _Api:
+class HttpApi:
+    """The generation routes over HTTP: the body read, decode and answer are HTTP's; what a
+    request means is the ``InputBuilder``'s (shared with the offline Engine)."""
+
     def __init__(self, manager: Any, args: ServerArgs) -> None:
         self.manager = manager
         self.args = args
+        self.builder = InputBuilder(manager, args)
         self.created = int(time.time())
-        self._tool_parser: str | None = None
-
-    @property
-    def limits(self) -> P.ModelLimits:
-        m = self.manager
-        return P.ModelLimits(m.model_name, m.context_length, m.vocab_size)
-
-    # --- request plumbing
-
-    def check_serving(self) -> None:
-        if not self.manager.healthy:
-            raise ApiError(
-                "the server is unhealthy (a child process died)", status=503, code="unhealthy"
-            )
-        if self.manager.draining:
-            raise ApiError("the server is shutting down", status=503, code="draining")
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.args.max_body_bytes
@@ -297,13 +208,13 @@ class _Api:
         return b"".join(parts)
 
     async def decode(self, request: Request, type_: type) -> Any:
-        self.check_serving()
-        return P.decode_request(await self.read_body(request), type_)
+        self.builder.check_serving()  # before reading the body: a 503 costs no upload
+        return decode_request(await self.read_body(request), type_)
 
     async def respond(
-        self, request: Request, inputs: list[P.GenerateInput], renderer: Any, stream: bool
+        self, request: Request, inputs: list[GenerateInput], renderer: Any, stream: bool
     ) -> Response:
-        run = _Run(self.manager, inputs)
+        run = Generations(self.manager, inputs)
         if not stream:
             try:
                 states = await _unless_disconnected(request, run.collect())
@@ -336,7 +247,7 @@ class _Api:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _events(self, run: _Run, first: Any, renderer: Any):
+    async def _events(self, run: Generations, first: Any, renderer: Any):
         try:
             item = first
             while item is not None:
@@ -355,294 +266,28 @@ class _Api:
             run.close()
         yield _SSE_DONE
 
-    def namespace(
-        self, request: Request | None, req: P._OpenAIRequest | P.NativeGenerateRequest
-    ) -> str:
-        """The radix tree namespace of this request (server/tenancy.py)."""
-        salt = P.cache_salt(req)
-        tenant = request.scope.get(TENANT_SCOPE_KEY) if request is not None else None
-        return cache_namespace(self.args.cache_isolation, tenant, salt)
+    @staticmethod
+    def tenant(request: Request) -> Tenant | None:
+        """The caller's tenant, which the auth middleware found from its API key."""
+        return request.scope.get(TENANT_SCOPE_KEY)
 
-    # --- tokenization
-
-    def tokenizer(self, param: str) -> Any:
-        tokenizer = self.manager.tokenizer
-        if tokenizer is None:
-            raise ApiError(
-                "this server has no tokenizer (dummy weights): send token ids instead of text",
-                param=param,
-                code="no_tokenizer",
-            )
-        return tokenizer
-
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        tokenizer = self.tokenizer(param)
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def chat_prompt_ids(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
-        tokenizer = self.tokenizer("messages")
-        template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
-        try:
-            with_tools = supports_tools(template)
-        except ValueError as exc:
-            raise ApiError(f"invalid chat template: {exc}", param="messages") from None
-        messages = history_for_template(messages, with_tools)
-        kwargs: dict[str, Any] = {}
-        if tools is not None and with_tools:
-            kwargs["tools"] = [dict(t) for t in tools.tools]
-        elif tools is not None:
-            messages = with_fallback_prompt(messages, tools)
-        try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-        except ValueError as exc:
-            raise ApiError(f"invalid messages: {exc}", param="messages") from None
-        # the template already holds BOS and friends
-        ids = self.encode(prompt, "messages", add_special_tokens=False)
-        if not ids:
-            raise ApiError("the prompt is empty", param="messages")
-        return ids
-
-    def prompt_text(self, prompt: str | list[int]) -> str:
-        """A prompt as text (echo): as sent, or its token ids decoded."""
-        if isinstance(prompt, str):
-            return prompt
-        tokenizer = self.manager.tokenizer
-        if tokenizer is None:
-            return ""
-        return tokenizer.decode(prompt, skip_special_tokens=False)
-
-    def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        ids = self.encode(prompt, param)
-        if not ids:
-            raise ApiError("the prompt is empty after tokenization", param=param)
-        return ids
-
-    # --- OpenAI
+    # --- generation routes
 
     async def chat_completions(self, request: Request) -> Response:
-        req: P.ChatCompletionRequest = await self.decode(request, P.ChatCompletionRequest)
-        limits = self.limits
-        P.check_model(req.model, limits)
-        P.check_n(req.n)
-        max_tokens, max_param = P.openai_max_tokens(req)
-        top_logprobs = req.top_logprobs or 0
-        if not 0 <= top_logprobs <= P.MAX_TOP_LOGPROBS:
-            raise ApiError(
-                f"top_logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="top_logprobs"
-            )
-        if top_logprobs and not req.logprobs:
-            raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        P.check_unsupported_chat_fields(req)
-        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
-        stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
-        schema = tools.json_schema() if tools is not None else None
-        if schema is not None:
-            base = self.constrain_to_tools(base, schema)
-        namespace = self.namespace(request, req)
-        messages = P.chat_messages(req)
-        ids = self.chat_prompt_ids(messages, tools)
-        max_new = P.resolve_max_new_tokens(
-            len(ids), max_tokens, limits, param=max_param, prompt_param="messages"
-        )
-        rid = P.new_id("chatcmpl")
-        inputs = [
-            P.GenerateInput(
-                rid=rid if req.n == 1 else f"{rid}-{i}",
-                input_ids=ids,
-                sampling=P.choice_sampling(base, max_new, i),
-                stop=stop,
-                stream=req.stream,
-                return_logprob=req.logprobs,
-                top_logprobs_num=top_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
-                cache_namespace=namespace,
-            )
-            for i in range(req.n)
-        ]
-        renderer = P.ChatRenderer(
-            id=rid,
-            model=limits.model_name,
-            n=req.n,
-            logprobs=req.logprobs,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            token_text=P.TokenText(self.manager.tokenizer),
-            tools=tools,
-        )
+        req = await self.decode(request, ChatCompletionRequest)
+        inputs, renderer = self.builder.chat(req, self.tenant(request))
         return await self.respond(request, inputs, renderer, req.stream)
-
-    @property
-    def tool_parser(self) -> str:
-        """The reply format of tool_choice "auto" (``--tool-call-parser``, or from the template)."""
-        if self._tool_parser is None:
-            flag = getattr(self.args, "tool_call_parser", "auto")
-            self._tool_parser = resolve_parser(flag, self.manager.chat_template)
-        return self._tool_parser
-
-    @staticmethod
-    def constrain_to_tools(base: Any, schema: str) -> Any:
-        """tool_choice "required" / a named function: the reply is forced by a JSON schema (the
-        worker compiles it; one that does not compile is a 400 before any output)."""
-        if base.grammar is not None:
-            raise ApiError(
-                "tool_choice 'required' or a named function constrains the output already; it "
-                "cannot be combined with response_format, regex, json_schema or ebnf",
-                param="tool_choice",
-            )
-        if len(schema) > P.MAX_GRAMMAR_CHARS:
-            raise ApiError(
-                f"the tools' parameter schemas make a {len(schema)}-character JSON schema; the "
-                f"limit is {P.MAX_GRAMMAR_CHARS}",
-                param="tools",
-                code="grammar_too_large",
-            )
-        return msgspec.structs.replace(base, json_schema=schema)
 
     async def completions(self, request: Request) -> Response:
-        req: P.CompletionRequest = await self.decode(request, P.CompletionRequest)
-        limits = self.limits
-        P.check_model(req.model, limits)
-        if req.suffix:
-            raise ApiError("suffix is not supported", param="suffix", code="unsupported_value")
-        if req.best_of is not None and req.best_of != req.n:
-            raise ApiError(
-                "best_of other than n is not supported", param="best_of", code="unsupported_value"
-            )
-        max_tokens, max_param = P.openai_max_tokens(req, minimum=0 if req.echo else 1)
-        if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_TOP_LOGPROBS:
-            raise ApiError(f"logprobs must be in [0, {P.MAX_TOP_LOGPROBS}]", param="logprobs")
-        stop = P.normalize_stop(req.stop)
-        base = P.sampling_params(req, limits, 1, response_format=req.response_format)
-        namespace = self.namespace(request, req)
-        prompts = P.split_prompts(req.prompt, limits.vocab_size, "prompt")
-        P.check_n(req.n, len(prompts))
-        rid = P.new_id("cmpl")
-        inputs = []
-        echo_prompts: list[str] | None = [] if req.echo else None
-        for p_index, prompt in enumerate(prompts):
-            param = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
-            ids = self.prompt_ids(prompt, param)
-            if echo_prompts is not None:
-                echo_prompts += [self.prompt_text(prompt)] * req.n
-            max_new = P.resolve_max_new_tokens(
-                len(ids), max_tokens, limits, param=max_param, prompt_param=param
-            )
-            for i in range(req.n):
-                index = p_index * req.n + i
-                inputs.append(
-                    P.GenerateInput(
-                        rid=rid if len(prompts) * req.n == 1 else f"{rid}-{index}",
-                        input_ids=ids,
-                        sampling=P.choice_sampling(base, max_new, i),
-                        stop=stop,
-                        stream=req.stream,
-                        return_logprob=req.logprobs is not None,
-                        top_logprobs_num=req.logprobs or 0,
-                        # echo + logprobs: every prompt token's logprob (and top alternatives)
-                        logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
-                        skip_special_tokens=req.skip_special_tokens,
-                        cache_namespace=namespace,
-                    )
-                )
-        renderer = P.CompletionRenderer(
-            id=rid,
-            model=limits.model_name,
-            n=req.n,
-            logprobs=req.logprobs,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            token_text=P.TokenText(self.manager.tokenizer),
-            echo_prompts=echo_prompts,
-        )
+        req = await self.decode(request, CompletionRequest)
+        inputs, renderer = self.builder.completion(req, self.tenant(request))
         return await self.respond(request, inputs, renderer, req.stream)
-
-    # --- native
 
     async def generate(self, request: Request) -> Response:
         logger.debug("HTTP /generate in")
-        req: P.NativeGenerateRequest = await self.decode(request, P.NativeGenerateRequest)
-        inputs, renderer = self.native_inputs(req, request)
+        req = await self.decode(request, NativeGenerateRequest)
+        inputs, renderer = self.builder.native(req, self.tenant(request))
         return await self.respond(request, inputs, renderer, req.stream)
-
-    def native_inputs(
-        self, req: P.NativeGenerateRequest, request: Request | None = None
-    ) -> tuple[list[P.GenerateInput], P.NativeRenderer]:
-        """Validate a /generate request (also used by the offline Engine, without `request`)."""
-        limits = self.limits
-        P.check_unsupported_native_fields(req)
-        if (req.text is None) == (req.input_ids is None):
-            raise ApiError("give exactly one of 'text' and 'input_ids'", param="text")
-        param = "text" if req.text is not None else "input_ids"
-        value = req.text if req.text is not None else req.input_ids
-        if param == "input_ids" and isinstance(value, list) and value == []:
-            raise ApiError("the prompt must not be empty", param=param)
-        prompts = P.split_prompts(value, limits.vocab_size, param)
-        if param == "text" and any(not isinstance(p, str) for p in prompts):
-            raise ApiError("text must be a string or a list of strings", param=param)
-        if param == "input_ids" and any(isinstance(p, str) for p in prompts):
-            raise ApiError(
-                "input_ids must be a list of token ids (or a list of those)", param=param
-            )
-        batch = not isinstance(value, str) and not (param == "input_ids" and P.is_int(value[0]))
-        sp = req.sampling_params or P.NativeSamplingParams()
-        if sp.max_new_tokens is not None and sp.max_new_tokens < 0:
-            raise ApiError("max_new_tokens must be >= 0", param="sampling_params.max_new_tokens")
-        if not 0 <= req.top_logprobs_num <= P.MAX_TOP_LOGPROBS:
-            raise ApiError(
-                f"top_logprobs_num must be in [0, {P.MAX_TOP_LOGPROBS}]", param="top_logprobs_num"
-            )
-        stop = P.normalize_stop(sp.stop, "sampling_params.stop")
-        base = P.sampling_params(sp, limits, 1, prefix="sampling_params.")
-        namespace = self.namespace(request, req)
-        rids = self.native_rids(req.rid, len(prompts), batch)
-        inputs = []
-        for i, prompt in enumerate(prompts):
-            p_param = f"{param}[{i}]" if batch else param
-            ids = self.prompt_ids(prompt, p_param)
-            max_new = P.resolve_max_new_tokens(
-                len(ids),
-                sp.max_new_tokens,
-                limits,
-                param="sampling_params.max_new_tokens",
-                prompt_param=p_param,
-                default=P.NATIVE_DEFAULT_MAX_NEW_TOKENS,
-            )
-            start = req.logprob_start_len if req.return_logprob else -1
-            if not -1 <= start < len(ids):
-                raise ApiError(
-                    f"logprob_start_len must be in [-1, {len(ids)}) for this prompt",
-                    param="logprob_start_len",
-                )
-            inputs.append(
-                P.GenerateInput(
-                    rid=rids[i],
-                    input_ids=ids,
-                    sampling=msgspec.structs.replace(base, max_new_tokens=max_new),
-                    stop=stop,
-                    stream=req.stream,
-                    return_logprob=req.return_logprob,
-                    top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
-                    logprob_start_len=start,
-                    skip_special_tokens=sp.skip_special_tokens,
-                    cache_namespace=namespace,
-                )
-            )
-        return inputs, P.NativeRenderer(inputs, batch)
-
-    @staticmethod
-    def native_rids(rid: str | list[str] | None, count: int, batch: bool) -> list[str]:
-        if rid is None:
-            return [P.new_id("gen") for _ in range(count)]
-        if not batch:
-            if not isinstance(rid, str) or not rid:
-                raise ApiError("rid must be a non-empty string", param="rid")
-            return [rid]
-        if isinstance(rid, str) or len(rid) != count:
-            raise ApiError("a batch needs a list of rids, one per prompt", param="rid")
-        if len(set(rid)) != count or not all(rid):
-            raise ApiError("rids must be unique and non-empty", param="rid")
-        return list(rid)
 
     # --- readiness
 
@@ -650,15 +295,8 @@ class _Api:
         """SGLang's readiness probe: one token through the whole pipeline (tokenizer, scheduler,
         worker). 200 once it comes back; 503 when the server is not serving or the token does
         not come within HEALTH_GENERATE_TIMEOUT_S."""
-        self.check_serving()
-        tokenizer = self.manager.tokenizer
-        ids = list(tokenizer.encode("Hi", add_special_tokens=False)) if tokenizer else []
-        inp = P.GenerateInput(
-            rid=P.new_id("health"),
-            input_ids=ids or [1],
-            sampling=P.SamplingParams(max_new_tokens=1, temperature=0.0),
-        )
-        run = _Run(self.manager, [inp])
+        self.builder.check_serving()
+        run = Generations(self.manager, [self.builder.health_check_input()])
         try:
             await asyncio.wait_for(
                 _unless_disconnected(request, run.collect()), HEALTH_GENERATE_TIMEOUT_S
@@ -712,7 +350,7 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    api = _Api(manager, args)
+    api = HttpApi(manager, args)
     app.state.api = api
 
     for path, route in (
@@ -727,10 +365,7 @@ def build_app(manager: Any, args: ServerArgs, *, lifespan: Callable | None = Non
 
     @app.get("/health")
     async def health() -> Response:
-        if not manager.healthy:
-            raise ApiError("a child process died", status=503, code="unhealthy")
-        if manager.draining:
-            raise ApiError("the server is shutting down", status=503, code="draining")
+        api.builder.check_serving()
         return json_response({"status": "ok"})
 
     app.add_api_route("/health_generate", api.health_generate, methods=["GET"])

@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from radix_runtime.config import ServerArgs
+from radix_runtime.frontend.errors import ApiError
 from radix_runtime.messages import CacheTree, unpack_ids
-from radix_runtime.server.errors import ApiError
 from radix_runtime.server.metrics import CONTENT_TYPE
 
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"

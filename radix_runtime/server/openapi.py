@@ -13,7 +13,11 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from radix_runtime.server import protocol as P
+from radix_runtime.frontend.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NativeGenerateRequest,
+)
 
 # ---------------------------------------------------------------------------------------------
 # response shapes (fields with a default may be absent)
@@ -140,9 +144,9 @@ class NativeOutput(msgspec.Struct):
 
 
 REQUESTS = {
-    "/v1/chat/completions": (P.ChatCompletionRequest, ChatCompletion),
-    "/v1/completions": (P.CompletionRequest, Completion),
-    "/generate": (P.NativeGenerateRequest, NativeOutput | list[NativeOutput]),
+    "/v1/chat/completions": (ChatCompletionRequest, ChatCompletion),
+    "/v1/completions": (CompletionRequest, Completion),
+    "/generate": (NativeGenerateRequest, NativeOutput | list[NativeOutput]),
 }
 ERROR_STATUSES = {
     400: "invalid request",

@@ -13,52 +13,54 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from radix_runtime.server import protocol as P
-from radix_runtime.server.errors import ApiError
+from radix_runtime.frontend.errors import ApiError
+from radix_runtime.frontend.schemas import ApiRequest
+from radix_runtime.frontend.validation import check_model
 
 _json = msgspec.json.Encoder()
 
 
-class TokenizeRequest(P._Request, kw_only=True):
+class TokenizeRequest(ApiRequest, kw_only=True):
     prompt: str
     add_special_tokens: bool = True
     model: str | None = None
 
 
-class DetokenizeRequest(P._Request, kw_only=True):
+class DetokenizeRequest(ApiRequest, kw_only=True):
     tokens: list[int]
     model: str | None = None
 
 
 def install_tokenize_routes(app: FastAPI, api: Any) -> None:
-    """`api` is http_server's _Api (body reading, limits, the tokenizer)."""
+    """`api` is http_server's HttpApi (body reading; its builder holds limits and tokenizer)."""
+    builder = api.builder
 
     def respond(obj: Any) -> Response:
         return Response(_json.encode(obj), media_type="application/json")
 
     async def tokenize(request: Request) -> Response:
         req: TokenizeRequest = await api.decode(request, TokenizeRequest)
-        P.check_model(req.model, api.limits)
-        ids = api.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
+        check_model(req.model, builder.limits)
+        ids = builder.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return respond(
-            {"count": len(ids), "max_model_len": api.limits.context_length, "tokens": ids}
+            {"count": len(ids), "max_model_len": builder.limits.context_length, "tokens": ids}
         )
 
     async def detokenize(request: Request) -> Response:
         req: DetokenizeRequest = await api.decode(request, DetokenizeRequest)
-        limits = api.limits
-        P.check_model(req.model, limits)
+        limits = builder.limits
+        check_model(req.model, limits)
         bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
             raise ApiError(
                 f"token id {req.tokens[bad]} is outside the vocabulary [0, {limits.vocab_size})",
                 param=f"tokens[{bad}]",
             )
-        text = api.tokenizer("tokens").decode(req.tokens, skip_special_tokens=False)
+        text = builder.tokenizer("tokens").decode(req.tokens, skip_special_tokens=False)
         return respond({"prompt": text})
 
     async def tokenizer_info(request: Request) -> Response:
-        tokenizer = api.tokenizer("model")
+        tokenizer = builder.tokenizer("model")
         return respond(
             {
                 "tokenizer_class": type(tokenizer).__name__,
@@ -66,7 +68,7 @@ def install_tokenize_routes(app: FastAPI, api: Any) -> None:
                 "eos_token": getattr(tokenizer, "eos_token", None),
                 "pad_token": None,
                 "chat_template": getattr(tokenizer, "chat_template", None),
-                "model_max_length": api.limits.context_length,
+                "model_max_length": builder.limits.context_length,
             }
         )
 

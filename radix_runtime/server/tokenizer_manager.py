@@ -15,15 +15,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
-from radix_runtime.server.errors import GenerationError
+from radix_runtime.frontend.contract import GenerateChunk, GenerateInput
+from radix_runtime.frontend.errors import GenerationError
 from radix_runtime.server.metrics import Metrics, RequestTiming
-from radix_runtime.server.protocol import GenerateChunk, GenerateInput
 from radix_runtime.tokenizer import IncrementalDetokenizer, StopMatcher
 from radix_runtime.utils.procs import endpoint, zmq_socket
 
@@ -186,20 +185,29 @@ class TokenizerManager:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _check_available(self) -> None:
+    def serving_error(self, *, new_work: bool = True) -> GenerationError | None:
+        """Why this server refuses work now, or None. The one serving-state check: the HTTP
+        front (before it reads a body), /health, and every generation and control message ask
+        it. A control message (info, flush, metrics) needs only a live scheduler
+        (``new_work=False``); a new generation is refused while draining too."""
         if not self.healthy:
-            raise GenerationError(
-                self.fatal_message or "the server is not ready", "server_unavailable", 503
-            )
-        if self.draining:
-            raise GenerationError("the server is shutting down", "server_shutting_down", 503)
+            why = self.fatal_message or "its processes are not ready"
+            return GenerationError(f"the server is unhealthy: {why}", "unhealthy", 503)
+        if new_work and self.draining:
+            return GenerationError("the server is shutting down", "draining", 503)
+        return None
+
+    def _check_serving(self, *, new_work: bool = True) -> None:
+        error = self.serving_error(new_work=new_work)
+        if error is not None:
+            raise error
 
     async def _send(self, msg) -> None:
         await self.to_sched.send(m.encode(msg))
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
         """Yield increments of one generation; the last one has finish_reason set."""
-        self._check_available()
+        self._check_serving()
         rid = inp.rid or uuid.uuid4().hex
         if rid in self.states:
             raise GenerationError(
@@ -365,7 +373,7 @@ class TokenizerManager:
             state.queue.put_nowait(m.ReqOutput(rid=rid, finish_reason="abort"))
 
     async def server_info(self) -> dict:
-        self._check_alive()
+        self._check_serving(new_work=False)
         fut = asyncio.get_running_loop().create_future()
         self._info_waiters.append(fut)
         await self._send(m.ServerInfoReq())
@@ -375,7 +383,7 @@ class TokenizerManager:
 
     async def _ask(self, waiters: deque, msg, timeout: float = 30):
         """Send a control message to the scheduler and await its reply (replies come in order)."""
-        self._check_alive()
+        self._check_serving(new_work=False)
         fut = asyncio.get_running_loop().create_future()
         waiters.append(fut)
         await self._send(msg)
@@ -397,14 +405,3 @@ class TokenizerManager:
         return await self._ask(
             self._tree_waiters, m.CacheTreeReq(max_depth, max_children, max_nodes)
         )
-
-    def _check_alive(self) -> None:
-        if not self.healthy:
-            raise GenerationError(
-                self.fatal_message or "the server is not ready", "server_unavailable", 503
-            )
-
-
-def ids_in_vocab(ids, vocab_size: int) -> bool:
-    arr = np.asarray(ids)
-    return arr.size == 0 or (arr.min() >= 0 and arr.max() < vocab_size)

@@ -140,7 +140,7 @@ def int4_fit(gguf_types: dict[str, str], param: str) -> str:
 
 def _parts(gguf_types: dict[str, str], param: str) -> list[str]:
     """GGUF types of the checkpoint tensors behind our parameter `param` (HF-named keys)."""
-    from radix_runtime.worker.models.llama import fused_name
+    from radix_runtime.worker.models.checkpoint import fused_name
 
     return [t for name, t in gguf_types.items() if fused_name(name)[0] == param]
 
@@ -163,7 +163,7 @@ def auto_format(gguf_types: dict[str, str] | None) -> str:
 def quantize_model(model: nn.Module, weight_format: str, gguf_types: dict[str, str]) -> None:
     """Replace every projection of a bf16 `LlamaForCausalLM` with an int8 / int4 linear, and give
     a tied model its own quantized LM head (the embedding table stays bf16 for the lookup)."""
-    from radix_runtime.worker.models.llama import Linear
+    from radix_runtime.worker.layers import Linear
 
     def convert(name: str, lin: Linear) -> nn.Module:
         w = lin.weight.data.float()

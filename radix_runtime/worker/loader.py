@@ -27,7 +27,8 @@ from radix_runtime.model_source import ModelSource, resolve_model
 from radix_runtime.worker import cpu_quant, gguf_format, quant
 from radix_runtime.worker.distributed import TPRank, shard_checkpoint, shard_config
 from radix_runtime.worker.model_config import ModelConfig, UnsupportedModel, load_hf_config
-from radix_runtime.worker.models.llama import LlamaForCausalLM, fuse_checkpoint
+from radix_runtime.worker.models.checkpoint import fuse_checkpoint
+from radix_runtime.worker.models.llama import LlamaForCausalLM
 from radix_runtime.worker.models.registry import build_model, model_class
 
 logger = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
         from radix_runtime.worker.distributed import TPRank
         from radix_runtime.worker.model_runner import ModelRunner
 
-        runner = ModelRunner(args, TPRank.for_worker(args, rank, ipc_dir))
+        runner = ModelRunner(args, tp=TPRank.for_worker(args, rank, ipc_dir))
     except Exception as exc:
         logger.exception("the worker failed to start")
         to_scheduler.send(m.encode(m.FatalError(role=role, message=f"{type(exc).__name__}: {exc}")))

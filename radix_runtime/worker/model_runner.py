@@ -37,6 +37,8 @@ from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.distributed import TPRank
 from radix_runtime.worker.host_copy import to_device
 from radix_runtime.worker.host_pool import HostKVPool, host_pool_pages, measure_load_bandwidth
+from radix_runtime.worker.kernels import KernelConfig
+from radix_runtime.worker.kernels import available as kernels_available
 from radix_runtime.worker.kv_pool import KVPool, kv_storage_dtype, num_pages_for
 from radix_runtime.worker.loader import load_model
 from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
@@ -104,10 +106,14 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, tp: TPRank | None = None) -> None:
-        """`tp`: this worker's tensor-parallel rank (worker/distributed.py); it holds that
-        rank's share of the model and of the KV pool, and joins the others' collectives."""
+    def __init__(
+        self, args: ServerArgs, kernels: KernelConfig | None = None, tp: TPRank | None = None
+    ) -> None:
+        """`kernels`: the CUDA path's kernel choices (default: what serving runs). `tp`: this
+        worker's tensor-parallel rank (worker/distributed.py); it holds that rank's share of the
+        model and of the KV pool, and joins the others' collectives."""
         self.args = args
+        self.kernels = kernels or KernelConfig()
         self.tp = tp or TPRank()
         self.device = self.tp.pin(pick_device(args.device))
         self.dtype = pick_dtype(args.dtype, self.device)
@@ -138,6 +144,7 @@ class ModelRunner:
             self.device,
             scale=c.softmax_scale,
             layer_windows=c.layer_windows,
+            kernels=self.kernels,
         )
         self.attn.bind_pool(self.kv_pool)
         self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
@@ -158,7 +165,7 @@ class ModelRunner:
             args.max_running_requests, dtype=torch.long, device=self.device
         )
         if self._fused_ops_available():
-            self.model.enable_fused_ops()
+            self.use_kernels(self.kernels)
         self.cuda_graphs: CudaGraphRunner | None = None
         if self.attn.supports_cuda_graph and not args.disable_cuda_graph:
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
@@ -243,14 +250,20 @@ class ModelRunner:
         return name
 
     def _fused_ops_available(self) -> bool:
-        """The fused CUDA kernels (gpu_ops) need a GPU, bf16/fp16, Triton and FlashInfer."""
+        """The fused CUDA kernels (worker/kernels) need a GPU, bf16/fp16, Triton and FlashInfer."""
         if self.device.type != "cuda" or self.dtype == torch.float32:
             return False
-        try:
-            from radix_runtime.worker import gpu_ops
-        except ImportError:  # no Triton
-            return False
-        return gpu_ops.available()
+        return kernels_available()
+
+    def use_kernels(self, kernels: KernelConfig) -> None:
+        """Run the CUDA path with `kernels` from now on (the model's fused ops and the attention
+        backend's choices). CUDA graphs captured before keep the kernels they captured: a
+        benchmark that switches recaptures them."""
+        from radix_runtime.worker.kernels.ops import FusedOps
+
+        self.kernels = kernels
+        self.attn.kernels = kernels
+        self.model.enable_fused_ops(FusedOps(kernels))
 
     def _allocate_kv_pool(self) -> KVPool:
         c, args = self.config, self.args

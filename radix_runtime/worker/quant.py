@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radix_runtime.worker.kernels import fp8_quant
 from radix_runtime.worker.layers.linear import Linear
 from radix_runtime.worker.model_config import UnsupportedModel
 
@@ -54,13 +55,6 @@ def quantize_rows_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_(min=1e-12)
     q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
-
-
-def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] activations -> (e4m3 [M, K], float32 scale [M, 1]): one dynamic scale per token."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)
-    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 class Fp8Linear(nn.Module):
@@ -94,7 +88,7 @@ class Fp8Linear(nn.Module):
         else:
             if self._dequantized is None or self._dequantized.dtype != x.dtype:
                 self._dequantized = dequantize_rows(self.weight, self.weight_scale, x.dtype)
-            xq, xs = quantize_tokens_fp8(x2)
+            xq, xs = fp8_quant.quantize_rows_fp8_torch(x2)  # per token, as the GPU's
             out = F.linear((xq.float() * xs).to(x.dtype), self._dequantized, self.bias)
         return out.reshape(*shape[:-1], out.shape[-1])
 
@@ -107,9 +101,7 @@ def fp8_linear_cuda(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """FP8 tensor cores: row-wise scales on both sides (per token, per output channel)."""
-    from radix_runtime.worker import gpu_ops  # Triton: CUDA only
-
-    xq, xs = gpu_ops.quantize_rows_fp8(x)
+    xq, xs = fp8_quant.quantize_rows_fp8(x)  # Triton: CUDA only
     return torch._scaled_mm(
         xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), bias=bias, out_dtype=x.dtype
     )

@@ -1,4 +1,4 @@
-"""The fused CUDA kernels (gpu_ops) against their torch references, on fresh random data."""
+"""The fused CUDA kernels (worker/kernels) against their torch references, on fresh random data."""
 
 from __future__ import annotations
 
@@ -11,9 +11,19 @@ pytest.importorskip("flashinfer")
 
 from gpu_support import rel_err  # noqa: E402
 
-from radix_runtime.worker import gpu_ops  # noqa: E402
+from radix_runtime.worker.kernels import (  # noqa: E402
+    KernelConfig,
+    activation,
+    decode_attention,
+    gemv,
+    kv_store,
+    norms,
+    rope,
+)
+from radix_runtime.worker.kernels.ops import FusedOps  # noqa: E402
 
 DEV = torch.device("cuda")
+OPS = FusedOps(KernelConfig())  # what serving runs
 
 
 def _cos_sin(n: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,9 +40,9 @@ def test_rotary_qk(n, shape):
     h, hkv, d = shape
     qkv = torch.randn(n, (h + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16)
     cos, sin = _cos_sin(n, d, torch.bfloat16)
-    q, k = gpu_ops.rotary_qk(qkv, cos, sin, h, hkv, d)
+    q, k = rope.rotary_qk(qkv, cos, sin, h, hkv, d)
     # reference in float64 from the same bf16 inputs
-    q_ref, k_ref = gpu_ops.rotary_qk_torch(qkv.double(), cos.double(), sin.double(), h, hkv, d)
+    q_ref, k_ref = rope.rotary_qk_torch(qkv.double(), cos.double(), sin.double(), h, hkv, d)
     assert q.shape == (n, h, d) and k.shape == (n, hkv, d) and q.is_contiguous()
     assert rel_err(q, q_ref) < 5e-3 and rel_err(k, k_ref) < 5e-3
 
@@ -49,8 +59,8 @@ def test_store_kv_matches_torch(n, page_size):
     k_cache = torch.full(shape, float("nan"), device=DEV, dtype=torch.bfloat16)
     v_cache = k_cache.clone()
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    gpu_ops.store_kv(k_cache, v_cache, loc, k, v)
-    gpu_ops.store_kv_torch(k_ref, v_ref, loc, k, v)
+    kv_store.store_kv(k_cache, v_cache, loc, k, v)
+    kv_store.store_kv_torch(k_ref, v_ref, loc, k, v)
     assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
     assert k_cache.isnan().sum() == (pages * page_size - n) * hkv * d  # nothing else touched
@@ -61,18 +71,18 @@ def test_gemv_and_linear_dispatch(n, k):
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
     ref = x.double() @ w.double().T
-    y = gpu_ops.linear(x, w, None)  # one input row: gpu_ops.gemv
+    y = OPS.linear(x, w, None)  # one input row: the Triton GEMV
     assert y.shape == (1, n) and y.dtype == torch.bfloat16
     assert rel_err(y, ref) < 5e-3
     xs = torch.randn(3, k, device=DEV, dtype=torch.bfloat16)  # more rows: cuBLAS
-    assert rel_err(gpu_ops.linear(xs, w, None), xs.double() @ w.double().T) < 5e-3
+    assert rel_err(OPS.linear(xs, w, None), xs.double() @ w.double().T) < 5e-3
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (100, 64), (37, 1000)])
 @pytest.mark.parametrize("mode", ["plain", "norm", "silu"])
 @pytest.mark.parametrize("add", [False, True])
 def test_fused_gemv(n, k, mode, add):
-    """gpu_ops.gemv's prologues (RMSNorm, SiLU-and-mul) and residual-add epilogue against the
+    """gemv.gemv's prologues (RMSNorm, SiLU-and-mul) and residual-add epilogue against the
     float32 reference, at the table's configuration and at an uneven-K one."""
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
     x = torch.randn(1, 2 * k if mode == "silu" else k, device=DEV, dtype=torch.bfloat16)
@@ -82,15 +92,15 @@ def test_fused_gemv(n, k, mode, add):
     for config in (None, (4, 256, 4)):
         res = torch.randn(1, n, device=DEV, dtype=torch.bfloat16)
         if add:
-            got = gpu_ops.gemv(x, w, add_to=res.clone(), config=config, **kw).float() - res.float()
-            want = gpu_ops.gemv_torch(x, w, add_to=res.clone(), **kw).float() - res.float()
+            got = gemv.gemv(x, w, add_to=res.clone(), config=config, **kw).float() - res.float()
+            want = gemv.gemv_torch(x, w, add_to=res.clone(), **kw).float() - res.float()
         else:
-            got = gpu_ops.gemv(x, w, config=config, **kw)
-            want = gpu_ops.gemv_torch(x, w, **kw)
+            got = gemv.gemv(x, w, config=config, **kw)
+            want = gemv.gemv_torch(x, w, **kw)
         assert got.shape == (1, n)
         assert rel_err(got, want) < 2e-2  # the added products carry the residual's bf16 rounding
     with pytest.raises(ValueError):
-        gpu_ops.gemv(torch.randn(2, k, device=DEV, dtype=torch.bfloat16), w)
+        gemv.gemv(torch.randn(2, k, device=DEV, dtype=torch.bfloat16), w)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -110,9 +120,11 @@ def test_decode_attention(page_size, lens, heads):
     last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32,
                         device=DEV)  # fmt: skip
     q = torch.randn(len(lens), h, d, device=DEV, dtype=torch.bfloat16)
-    want = gpu_ops.decode_attention_torch(q, k_cache, v_cache, indptr, ids, last, d**-0.5)
+    want = decode_attention.decode_attention_torch(q, k_cache, v_cache, indptr, ids, last, d**-0.5)
     for splits in (None, 32):
-        got = gpu_ops.decode_attention(q, k_cache, v_cache, indptr, ids, last, d**-0.5, splits)
+        got = decode_attention.decode_attention(
+            q, k_cache, v_cache, indptr, ids, last, d**-0.5, splits
+        )
         assert got.shape == q.shape and got.dtype == q.dtype
         assert rel_err(got, want.double()) < 1e-2
 
@@ -122,8 +134,8 @@ def test_silu_and_mul_triton():
         gu = torch.randn(rows, 2 * 14336, device=DEV, dtype=torch.bfloat16)
         g, u = gu.double().chunk(2, -1)
         want = torch.nn.functional.silu(g) * u
-        assert rel_err(gpu_ops.silu_and_mul_triton(gu), want) < 5e-3
-        assert rel_err(gpu_ops.silu_and_mul(gu), want) < 5e-3
+        assert rel_err(activation.silu_and_mul_triton(gu), want) < 5e-3
+        assert rel_err(activation.silu_and_mul(gu), want) < 5e-3
 
 
 def test_flashinfer_norm_and_activation():
@@ -135,14 +147,14 @@ def test_flashinfer_norm_and_activation():
         t = t.double()
         return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
 
-    assert rel_err(gpu_ops.rmsnorm(x, w, 1e-5), ref_norm(x)) < 5e-3
+    assert rel_err(norms.rmsnorm(x, w, 1e-5), ref_norm(x)) < 5e-3
     want_res = res.double() + x.double()
-    out = gpu_ops.fused_add_rmsnorm(x.clone(), res, w, 1e-5)
+    out = norms.fused_add_rmsnorm(x.clone(), res, w, 1e-5)
     assert rel_err(res, want_res) < 5e-3
     assert rel_err(out, ref_norm(res)) < 5e-3
     gu = torch.randn(37, 2 * 1000, device=DEV, dtype=torch.bfloat16)
     g, u = gu.double().chunk(2, -1)
-    assert rel_err(gpu_ops.silu_and_mul(gu), torch.nn.functional.silu(g) * u) < 5e-3
+    assert rel_err(activation.silu_and_mul(gu), torch.nn.functional.silu(g) * u) < 5e-3
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])  # Qwen3's w, Gemma's (1 + w)
@@ -154,13 +166,13 @@ def test_rotary_qk_with_head_norms(offset, shape):
     cos, sin = _cos_sin(n, d, torch.bfloat16)
     qn = torch.randn(d, device=DEV, dtype=torch.bfloat16) * 0.2
     kn = torch.randn(d, device=DEV, dtype=torch.bfloat16) * 0.2
-    q, k = gpu_ops.rotary_qk(qkv, cos, sin, h, hkv, d, qn, kn, 1e-6, offset)
-    q_ref, k_ref = gpu_ops.rotary_qk_torch(
+    q, k = rope.rotary_qk(qkv, cos, sin, h, hkv, d, qn, kn, 1e-6, offset)
+    q_ref, k_ref = rope.rotary_qk_torch(
         qkv.double(), cos.double(), sin.double(), h, hkv, d, qn.double(), kn.double(), 1e-6,
         offset,
     )  # fmt: skip
     assert rel_err(q, q_ref) < 5e-3 and rel_err(k, k_ref) < 5e-3
-    plain_q, _ = gpu_ops.rotary_qk(qkv, cos, sin, h, hkv, d)
+    plain_q, _ = rope.rotary_qk(qkv, cos, sin, h, hkv, d)
     assert rel_err(plain_q, q_ref) > 1e-1  # the norm did something
 
 
@@ -180,15 +192,15 @@ def test_decode_attention_window(window):
     last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32,
                         device=DEV)  # fmt: skip
     q = torch.randn(len(lens), h, d, device=DEV, dtype=torch.bfloat16)
-    want = gpu_ops.decode_attention_torch(
+    want = decode_attention.decode_attention_torch(
         q, k_cache, v_cache, indptr, ids, last, d**-0.5, window=window
     )
     for splits in (None, 32):
-        got = gpu_ops.decode_attention(
+        got = decode_attention.decode_attention(
             q, k_cache, v_cache, indptr, ids, last, d**-0.5, splits, window=window
         )
         assert rel_err(got, want.double()) < 1e-2
-    full = gpu_ops.decode_attention_torch(q, k_cache, v_cache, indptr, ids, last, d**-0.5)
+    full = decode_attention.decode_attention_torch(q, k_cache, v_cache, indptr, ids, last, d**-0.5)
     if window < 300:
         assert rel_err(full, want.double()) > 1e-1
 
@@ -202,12 +214,12 @@ def test_gemma_norms_and_gelu():
         t = t.double()
         return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.double())
 
-    assert rel_err(gpu_ops.gemma_rmsnorm(x, w, 1e-6), ref_norm(x)) < 5e-3
+    assert rel_err(norms.gemma_rmsnorm(x, w, 1e-6), ref_norm(x)) < 5e-3
     w_post = torch.randn_like(w) * 0.1
-    want_res = res.double() + gpu_ops.gemma_rmsnorm_torch(x.double(), w_post.double(), 1e-6)
-    out = gpu_ops.gemma_norm_add_norm(x, res, w_post, w, 1e-6)  # res += norm(x); norm(res)
+    want_res = res.double() + norms.gemma_rmsnorm_torch(x.double(), w_post.double(), 1e-6)
+    out = norms.gemma_norm_add_norm(x, res, w_post, w, 1e-6)  # res += norm(x); norm(res)
     assert rel_err(res, want_res) < 5e-3 and rel_err(out, ref_norm(want_res)) < 5e-3
     gu = torch.randn(37, 2 * 1000, device=DEV, dtype=torch.bfloat16)
     g, u = gu.double().chunk(2, -1)
     want = torch.nn.functional.gelu(g, approximate="tanh") * u
-    assert rel_err(gpu_ops.gelu_tanh_and_mul(gu), want) < 5e-3
+    assert rel_err(activation.gelu_tanh_and_mul(gu), want) < 5e-3

@@ -22,7 +22,7 @@ from gpu_support import (  # noqa: E402
     rel_err,
 )
 
-from radix_runtime.worker import gpu_ops  # noqa: E402
+from radix_runtime.worker.kernels import decode_attention, fp8_quant, gemv, kv_store  # noqa: E402
 from radix_runtime.worker.quant import Fp8Linear  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -46,8 +46,8 @@ def test_store_kv_fp8(page_size):
     shape = (pages, page_size, hkv, d)
     kc, vc = torch.zeros(shape, device=DEV, dtype=FP8), torch.zeros(shape, device=DEV, dtype=FP8)
     kr, vr = kc.clone(), vc.clone()
-    gpu_ops.store_kv(kc, vc, loc, k, v, 0.5, 0.5)
-    gpu_ops.store_kv_torch(kr, vr, loc, k, v, 0.5, 0.5)
+    kv_store.store_kv(kc, vc, loc, k, v, 0.5, 0.5)
+    kv_store.store_kv_torch(kr, vr, loc, k, v, 0.5, 0.5)
     same = (kc.view(torch.uint8) == kr.view(torch.uint8)).float().mean().item()
     assert same > 0.999, same  # the same rounding (ties may differ)
     assert not vc.float().isnan().any()  # clamped, not NaN
@@ -69,8 +69,8 @@ def test_decode_attention_fp8(lens):
                         device=DEV)  # fmt: skip
     q = torch.randn(len(lens), h, d, device=DEV, dtype=torch.bfloat16)
     args = (q, k_cache, v_cache, indptr, ids, last, d**-0.5)
-    want = gpu_ops.decode_attention_torch(*args, k_scale=0.7, v_scale=1.3)
-    got = gpu_ops.decode_attention(*args, k_scale=0.7, v_scale=1.3)
+    want = decode_attention.decode_attention_torch(*args, k_scale=0.7, v_scale=1.3)
+    got = decode_attention.decode_attention(*args, k_scale=0.7, v_scale=1.3)
     assert rel_err(got, want) < 1e-2
 
 
@@ -79,16 +79,16 @@ def test_fp8_gemv(n, k):
     w, s = _fp8_rows(n, k)
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
     ref = x.double() @ (w.double() * s.double()[:, None]).T
-    assert rel_err(gpu_ops.gemv(x, w, w_scale=s), ref) < 5e-3
+    assert rel_err(gemv.gemv(x, w, w_scale=s), ref) < 5e-3
     res = torch.randn(1, n, device=DEV, dtype=torch.bfloat16)
     want = res.double() + ref
-    assert rel_err(gpu_ops.gemv(x, w, w_scale=s, add_to=res.clone()), want) < 5e-3
+    assert rel_err(gemv.gemv(x, w, w_scale=s, add_to=res.clone()), want) < 5e-3
 
 
 @pytest.mark.parametrize("shape", [(1, 4096), (300, 14336), (7, 100)])
 def test_quantize_rows_fp8(shape):
     x = torch.randn(*shape, device=DEV, dtype=torch.bfloat16) * 5
-    q, s = gpu_ops.quantize_rows_fp8(x)
+    q, s = fp8_quant.quantize_rows_fp8(x)
     ref_s = x.float().abs().amax(-1, keepdim=True) / 448.0
     assert torch.allclose(s, ref_s, rtol=1e-6)
     ref_q = (x.float() / ref_s).to(FP8)

@@ -9,7 +9,7 @@ import json
 import pytest
 from test_http_api import REPLY, FakeManager, assert_error, make_client, sse_events
 
-from radix_runtime.server.errors import GenerationError
+from radix_runtime.frontend.errors import GenerationError
 
 PROMPT = "abc"
 

@@ -242,14 +242,13 @@ def test_a_host_pool_larger_than_memory_is_a_clear_error():
 
 
 def test_generate_meta_info_splits_cached_tokens_by_tier():
-    from radix_runtime.server import protocol as P
+    from radix_runtime.frontend.contract import ChoiceState, GenerateChunk, GenerateInput
+    from radix_runtime.frontend.rendering import native_output
 
-    inp = P.GenerateInput(rid="r", input_ids=[5, 6, 7, 8], sampling=m.SamplingParams())
-    state = P.ChoiceState(0, "r", [5, 6, 7, 8])
-    state.add(
-        P.GenerateChunk(ids=[9], cached_tokens=3, host_cached_tokens=2, finish_reason="length")
-    )
-    meta = P.native_output(state, inp)["meta_info"]
+    inp = GenerateInput(rid="r", input_ids=[5, 6, 7, 8], sampling=m.SamplingParams())
+    state = ChoiceState(0, "r", [5, 6, 7, 8])
+    state.add(GenerateChunk(ids=[9], cached_tokens=3, host_cached_tokens=2, finish_reason="length"))
+    meta = native_output(state, inp)["meta_info"]
     assert (meta["cached_tokens"], meta["device_cached_tokens"], meta["host_cached_tokens"]) == (
         3,
         1,

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radix_runtime.config import ServerArgs
-from radix_runtime.server.errors import GenerationError
+from radix_runtime.frontend.contract import GenerateChunk, GenerateInput
+from radix_runtime.frontend.errors import GenerationError
 from radix_runtime.server.http_server import build_app
-from radix_runtime.server.protocol import GenerateChunk, GenerateInput
 
 MODEL = "fake-model"
 VOCAB = 1000
@@ -145,6 +145,13 @@ class FakeManager:
             [(tok, -1.0)] + [(tok + k, -1.0 - k) for k in range(1, req.top_logprobs_num)]
             for tok in req.input_ids[first:]
         ]
+
+    def serving_error(self, new_work: bool = True) -> GenerationError | None:
+        if not self.healthy:
+            return GenerationError("the server is unhealthy: a child died", "unhealthy", 503)
+        if new_work and self.draining:
+            return GenerationError("the server is shutting down", "draining", 503)
+        return None
 
     async def abort(self, rid: str) -> None:
         self.aborted.append(rid)

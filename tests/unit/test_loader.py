@@ -15,9 +15,9 @@ from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.model_source import dummy_config_path
 from radix_runtime.worker import gguf_format, loader
+from radix_runtime.worker.layers import rope_inv_freq
 from radix_runtime.worker.model_config import load_hf_config
 from radix_runtime.worker.model_runner import ModelRunner
-from radix_runtime.worker.models.llama import rope_inv_freq
 
 CPU = torch.device("cpu")
 

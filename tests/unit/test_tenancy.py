@@ -8,7 +8,7 @@ import pytest
 from test_http_api import FakeManager, assert_error, chat_body, make_client
 
 from radix_runtime.config import ServerArgs
-from radix_runtime.server.tenancy import cache_namespace, find_tenant, load_tenants
+from radix_runtime.frontend.tenancy import cache_namespace, find_tenant, load_tenants
 
 ROUTES = [
     ("/v1/chat/completions", chat_body(max_tokens=2)),

@@ -19,9 +19,9 @@ import zmq.asyncio
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
-from radix_runtime.server.errors import GenerationError
+from radix_runtime.frontend.contract import GenerateInput
+from radix_runtime.frontend.errors import GenerationError
 from radix_runtime.server.http_server import build_app
-from radix_runtime.server.protocol import GenerateInput
 from radix_runtime.server.run import DrainingServer
 from radix_runtime.server.tokenizer_manager import TokenizerManager
 from radix_runtime.tokenizer import byte_tokenizer
@@ -345,7 +345,7 @@ def test_a_fatal_error_fails_what_runs_and_refuses_new_work(tmp_path):
             assert not manager.healthy and fatal and "CUDA error" in fatal[0]
             with pytest.raises(GenerationError) as info:
                 await collect(manager.generate(inp(rid="r2")))
-            assert info.value.code == "server_unavailable"
+            assert info.value.code == "unhealthy" and "CUDA error" in info.value.message
 
     run(main())
 

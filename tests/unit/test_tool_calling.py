@@ -7,9 +7,11 @@ import json
 import msgspec
 import pytest
 
-from radix_runtime.server import protocol as P
-from radix_runtime.server.errors import ApiError
-from radix_runtime.server.tools import (
+from radix_runtime.frontend.contract import ChoiceState, GenerateChunk
+from radix_runtime.frontend.errors import ApiError
+from radix_runtime.frontend.rendering import ChatRenderer
+from radix_runtime.frontend.schemas import ChatCompletionRequest, decode_request
+from radix_runtime.frontend.tools import (
     FunctionDef,
     NamedFunction,
     NamedToolChoice,
@@ -20,6 +22,7 @@ from radix_runtime.server.tools import (
     resolve_parser,
     with_fallback_prompt,
 )
+from radix_runtime.frontend.validation import chat_messages, check_unsupported_chat_fields
 from radix_runtime.tokenizer.chat_template import (
     CHATML_TEMPLATE,
     render_chat,
@@ -256,9 +259,9 @@ def test_request_decoding_and_unsupported_fields():
         "metadata": {"k": "v"},
         "store": False,
     }
-    req = P.decode_request(json.dumps(body).encode(), P.ChatCompletionRequest)
-    P.check_unsupported_chat_fields(req)  # metadata is accepted
-    messages = P.chat_messages(req)
+    req = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+    check_unsupported_chat_fields(req)  # metadata is accepted
+    messages = chat_messages(req)
     assert messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert messages[2]["tool_call_id"] == "call_1"
     for field, value in [
@@ -269,18 +272,18 @@ def test_request_decoding_and_unsupported_fields():
         ("prediction", {"type": "content", "content": "x"}),
         ("reasoning_effort", "high"),
     ]:
-        req = P.decode_request(json.dumps({**body, field: value}).encode(), P.ChatCompletionRequest)
+        req = decode_request(json.dumps({**body, field: value}).encode(), ChatCompletionRequest)
         with pytest.raises(ApiError) as info:
-            P.check_unsupported_chat_fields(req)
+            check_unsupported_chat_fields(req)
         assert info.value.param == field
     bad_tool_msg = {**body, "messages": [{"role": "tool", "content": "x"}]}
-    req = P.decode_request(json.dumps(bad_tool_msg).encode(), P.ChatCompletionRequest)
+    req = decode_request(json.dumps(bad_tool_msg).encode(), ChatCompletionRequest)
     with pytest.raises(ApiError, match="tool_call_id"):
-        P.chat_messages(req)
+        chat_messages(req)
 
 
 def _chunk(text, finish=None):
-    return P.GenerateChunk(text=text, finish_reason=finish)
+    return GenerateChunk(text=text, finish_reason=finish)
 
 
 def test_chat_renderer_streams_tool_call_deltas_that_reassemble():
@@ -288,17 +291,17 @@ def test_chat_renderer_streams_tool_call_deltas_that_reassemble():
     reply = HERMES_REPLIES[0]
 
     def renderer():
-        return P.ChatRenderer(
+        return ChatRenderer(
             id="x", model="m", n=1, logprobs=False, include_usage=False, token_text=None, tools=plan
         )
 
-    state = P.ChoiceState(0, "r", [1])
+    state = ChoiceState(0, "r", [1])
     state.add(_chunk(reply, "stop"))
     whole = renderer().response([state])["choices"][0]
     assert whole["finish_reason"] == "tool_calls"
     assert whole["message"]["content"] == "Let me look."
 
-    r, state = renderer(), P.ChoiceState(0, "r", [1])
+    r, state = renderer(), ChoiceState(0, "r", [1])
     events = []
     pieces = [reply[i : i + 5] for i in range(0, len(reply), 5)]
     for i, piece in enumerate(pieces):

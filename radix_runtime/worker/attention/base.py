@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radix_runtime.worker.kernels.config import KernelConfig
 from radix_runtime.worker.kv_pool import KVPool
 
 
@@ -83,6 +84,7 @@ class AttentionBackend(ABC):
         *,
         scale: float | None = None,
         layer_windows: tuple[int, ...] | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -92,6 +94,8 @@ class AttentionBackend(ABC):
         # per layer: how many keys (itself included) a query sees, 0 = all (ModelConfig's
         # layer_windows); None when no layer is windowed
         self.layer_windows = tuple(layer_windows) if layer_windows and any(layer_windows) else None
+        # the runner's kernel choices (the FlashInfer backend reads triton_decode_max_bs)
+        self.kernels = kernels or KernelConfig()
 
     def window(self, layer_id: int) -> int:
         """Layer `layer_id`'s window (0: the whole sequence)."""

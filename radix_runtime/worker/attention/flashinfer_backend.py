@@ -11,8 +11,8 @@ pool's: per layer K and V of [num_pages, page_size, kv_heads, head_dim]):
   but bench/gpu_kernels.py measures the difference and it is small next to the matmuls;
 - a decode-only batch goes through `BatchDecodeWithPagedKVCacheWrapper` (tensor cores when a
   KV head serves >= 4 query heads, as for Llama-3-8B, where they are faster), except batches of
-  <= `gpu_ops.TRITON_DECODE_MAX_BS` requests: those take the Triton split-KV kernel
-  (`gpu_ops.decode_attention`, ~2x faster at batch 1, and no plan: the device index arrays are
+  <= `KernelConfig.triton_decode_max_bs` requests: those take the Triton split-KV kernel
+  (`kernels/decode_attention.py`, ~2x faster at batch 1, and no plan: the device index arrays are
   all it reads);
 - CUDA graphs (cuda_graph.py) get one decode wrapper per captured batch size, built with
   `use_cuda_graph=True` over fixed index buffers shared by all sizes; `plan_cuda_graph` refills
@@ -21,7 +21,7 @@ pool's: per layer K and V of [num_pages, page_size, kv_heads, head_dim]):
   captured (requests, tokens) shape, in CUDA-graph mode (fixed batch size and row count, the
   schedule written into the wrapper's own workspace by `plan_extend_graph`).
 
-New K/V are written with the Triton kernel `gpu_ops.store_kv` (one launch for K and V).
+New K/V are written with the Triton kernel `kernels/kv_store.py` (one launch for K and V).
 
 An FP8 pool (`--kv-cache-dtype fp8_e4m3`): `store_kv` writes x / scale in e4m3. FlashInfer
 0.5.3's kernels for a bf16 query over FP8 KV failed on the H200 (a CUDA "operation not supported
@@ -52,9 +52,10 @@ import flashinfer
 import numpy as np
 import torch
 
-from radix_runtime.worker import gpu_ops
 from radix_runtime.worker.attention.base import AttentionBackend, AttentionMetadata
 from radix_runtime.worker.host_copy import upload
+from radix_runtime.worker.kernels.decode_attention import decode_attention
+from radix_runtime.worker.kernels.kv_store import store_kv
 from radix_runtime.worker.kv_pool import KVPool
 
 # FlashInfer's scratch space for split-KV partial results, shared by every wrapper (one runs at
@@ -167,7 +168,9 @@ class FlashInferBackend(AttentionBackend):
         self._out_cache_loc = meta.out_cache_loc
         self._small_decode = None
         self._gather_pages = None
-        if meta.is_decode_only and (meta.batch_size <= gpu_ops.TRITON_DECODE_MAX_BS or self.fp8):
+        if meta.is_decode_only and (
+            meta.batch_size <= self.kernels.triton_decode_max_bs or self.fp8
+        ):
             self._small_decode = (meta.kv_indptr, meta.kv_page_indices, meta.kv_last_page_len)
             return
         page_ids = meta.kv_page_indices
@@ -237,10 +240,10 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
         ks, vs = self.k_scales[layer_id], self.v_scales[layer_id]
-        gpu_ops.store_kv(k_cache, v_cache, self._out_cache_loc, k, v, ks, vs)
+        store_kv(k_cache, v_cache, self._out_cache_loc, k, v, ks, vs)
         window = self.window(layer_id)
         if self._small_decode is not None:
-            return gpu_ops.decode_attention(
+            return decode_attention(
                 q, k_cache, v_cache, *self._small_decode, self.scale, window=window,
                 k_scale=ks, v_scale=vs,
             )  # fmt: skip
@@ -271,7 +274,9 @@ class FlashInferBackend(AttentionBackend):
         the graph reads."""
         self._out_cache_loc = out_cache_loc
         self._gather_pages = None
-        if bs <= gpu_ops.TRITON_DECODE_MAX_BS or self.fp8:  # Triton reads the buffers themselves
+        if (
+            bs <= self.kernels.triton_decode_max_bs or self.fp8
+        ):  # Triton reads the buffers themselves
             n = len(kv_indices)
             upload(self._graph_kv_indptr[: bs + 1], kv_indptr)
             upload(self._graph_kv_last_page_len[:bs], kv_last_page_len)

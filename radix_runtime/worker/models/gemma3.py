@@ -134,7 +134,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         kv_pool: KVPool,
     ) -> torch.Tensor:
         """The CUDA path: each sublayer's output norm, the residual add and the next input norm
-        in one kernel (`gpu_ops.gemma_norm_add_norm`), q/k norms fused into the RoPE kernel,
+        in one kernel (`kernels/norms.py`), q/k norms fused into the RoPE kernel,
         gelu-and-mul in one kernel: 11 kernels a layer at batch 1."""
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps

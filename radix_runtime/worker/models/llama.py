@@ -10,6 +10,7 @@ attention backend knows which request each token belongs to.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from torch import nn
 
 from radix_runtime.worker.attention.base import AttentionBackend
 from radix_runtime.worker.kv_pool import KVPool
-from radix_runtime.worker.layers import (  # noqa: F401 (re-exported: Linear, Embedding, rope_inv_freq)
+from radix_runtime.worker.layers import (
     Embedding,
     GatedMLP,
     Linear,
@@ -26,18 +27,12 @@ from radix_runtime.worker.layers import (  # noqa: F401 (re-exported: Linear, Em
     RowParallelLinear,
     apply_rope,
     reduce_row_parallel,
-    rope_inv_freq,
 )
 from radix_runtime.worker.model_config import ModelConfig
+from radix_runtime.worker.models.checkpoint import fused_name, shard_rows, shards_of
 
-# checkpoint name part -> (our fused parameter part, shard id)
-_STACKED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+if TYPE_CHECKING:
+    from radix_runtime.worker.kernels.ops import FusedOps
 
 
 class LlamaAttention(nn.Module):
@@ -120,13 +115,12 @@ class LlamaForCausalLM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, False, dtype)
         )
         self.rotary = RotaryEmbedding(config)
-        self._ops = None  # radix_runtime.worker.gpu_ops once enable_fused_ops() was called
+        self._ops: FusedOps | None = None  # the CUDA path's kernels, once enable_fused_ops()
 
-    def enable_fused_ops(self) -> None:
-        """Run the CUDA path (`gpu_ops`: fused kernels, bf16/fp16) from now on."""
-        from radix_runtime.worker import gpu_ops
-
-        self._ops = gpu_ops
+    def enable_fused_ops(self, ops: FusedOps) -> None:
+        """Run the CUDA path (fused kernels, bf16/fp16) with `ops` from now on (again with other
+        ops: a benchmark's kernel variant)."""
+        self._ops = ops
 
     def forward(
         self,
@@ -161,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         # (FP8 layers: the GEMV reads their scales; tensor parallelism: the o/down GEMVs'
         # residual-add epilogue would add a partial sum, so its layers take the path below)
         row_ok = not (c.qkv_bias or c.o_bias) and c.tp_size == 1
-        if h.shape[0] == 1 and ops.ROW_FUSION and row_ok:
+        if h.shape[0] == 1 and ops.row_fusion and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
         x = ops.rmsnorm(h, layers[0].input_layernorm.weight, eps)
@@ -187,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         kv_pool: KVPool,
     ) -> torch.Tensor:
         """One token (a batch-1 decode step): four GEMVs per layer that carry the norms, the
-        residual adds and SiLU-and-mul in their prologues/epilogues (`gpu_ops.gemv`), so a layer
+        residual adds and SiLU-and-mul in their prologues/epilogues (`kernels/gemv.py`), so a layer
         is eight kernels: the four GEMVs, RoPE, the KV store and attention's two (split, merge)."""
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
@@ -243,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         Every parameter must be filled.
         """
         params = dict(self.named_parameters())
-        missing = {name: set(_shards_of(name)) for name in params}
+        missing = {name: set(shards_of(name)) for name in params}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (
                 name == "lm_head.weight" and self.lm_head is None
@@ -254,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
             self._fill(params[target], shard, tensor, name)
             # a whole-parameter tensor (shard None) fills every shard of a fused parameter
-            missing[target] -= set(_shards_of(target)) if shard is None else {shard}
+            missing[target] -= set(shards_of(target)) if shard is None else {shard}
         unfilled = sorted(name for name, shards in missing.items() if shards)
         if unfilled:
             raise ValueError(f"the checkpoint did not fill {unfilled[:8]} ({len(unfilled)} in all)")
@@ -279,51 +273,3 @@ class LlamaForCausalLM(nn.Module):
 def _scale(layer: nn.Module) -> torch.Tensor | None:
     """An FP8 projection's per-row weight scale (None for a plain one)."""
     return getattr(layer, "weight_scale", None)
-
-
-def fused_name(name: str) -> tuple[str, str | int | None]:
-    """Checkpoint name -> (our parameter name, shard id or None when it fills the whole parameter)."""
-    for part, (fused, shard) in _STACKED.items():
-        if f".{part}." in name:
-            return name.replace(f".{part}.", f".{fused}."), shard
-    return name, None
-
-
-def _shards_of(param_name: str) -> list[str | int | None]:
-    if ".qkv_proj." in param_name:
-        return ["q", "k", "v"]
-    if ".gate_up_proj." in param_name:
-        return [0, 1]
-    return [None]
-
-
-def shard_rows(config: ModelConfig, shard: str | int | None, total: int) -> slice:
-    """The rows of a fused parameter that one checkpoint shard fills."""
-    q, kv = config.q_size, config.kv_size
-    if shard == "q":
-        return slice(0, q)
-    if shard == "k":
-        return slice(q, q + kv)
-    if shard == "v":
-        return slice(q + kv, q + 2 * kv)
-    if isinstance(shard, int):
-        return slice(shard * config.intermediate_size, (shard + 1) * config.intermediate_size)
-    return slice(0, total)
-
-
-def fuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> our parameter layout (q/k/v and gate/up concatenated), same dtype.
-
-    Used for the GGUF conversion cache, so a cached load is a plain name-for-name assignment.
-    """
-    fused: dict[str, torch.Tensor] = {}
-    shards: dict[str, dict[str | int | None, torch.Tensor]] = {}
-    for name, tensor in weights:
-        target, shard = fused_name(name)
-        if shard is None:
-            fused[target] = tensor
-        else:
-            shards.setdefault(target, {})[shard] = tensor
-    for target, parts in shards.items():
-        fused[target] = torch.cat([parts[s] for s in _shards_of(target)])
-    return fused

@@ -3,7 +3,7 @@
 Everything else (fused q/k/v and gate/up, the CUDA fused paths, tied or untied embeddings,
 sliding windows when a config turns them on) is Llama's; this file adds the two per-layer norm
 weights and the one place they act: between the qkv projection and the rotation. On the CUDA
-path that is one Triton kernel (`gpu_ops.rotary_qk` with norm weights), so a Qwen3 layer costs
+path that is one Triton kernel (`kernels/rope.py` with norm weights), so a Qwen3 layer costs
 the same kernel count as a Llama layer.
 """
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from radix_runtime.server.errors import ApiError
+from radix_runtime.frontend.errors import ApiError
 
 PARSERS = ("hermes", "llama3")
 PARSER_ALIASES = {"qwen25": "hermes", "qwen": "hermes", "llama3_json": "llama3"}

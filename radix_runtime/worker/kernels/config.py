@@ -1,0 +1,27 @@
+"""KernelConfig: which kernel runs where on the CUDA path, chosen once per runner.
+
+The defaults are what serving runs (each choice measured on the H200, docs/decisions.md);
+benchmarks build variants by passing a different config (`ModelRunner(args, kernels=...)` or
+`runner.use_kernels(...)`), never by changing module state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radix_runtime.worker.kernels.gemv import GemvTable, default_gemv_configs
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    # a one-token step runs the fused-GEMV layer path (norms, residual adds and SiLU-and-mul in
+    # the GEMVs' prologues/epilogues: models/llama.py `_forward_row`)
+    row_fusion: bool = True
+    # single-row projections (and the LM head) use the Triton GEMV instead of cuBLAS
+    triton_gemv: bool = True
+    # decode-only batches of <= this many requests use the Triton split-KV attention instead of
+    # FlashInfer's decode (0: never)
+    triton_decode_max_bs: int = 8
+    # (BLOCK_N, BLOCK_K, num_warps) of the GEMV per (rows, cols, prologue, add): the H200's
+    # table, updated from the sweep named by $RADIX_RUNTIME_GEMV_CONFIGS
+    gemv_configs: GemvTable = field(default_factory=default_gemv_configs)

@@ -1,0 +1,60 @@
+"""FusedOps: the kernel set a model's CUDA path calls, bound to one KernelConfig.
+
+The models call `ops.rmsnorm(...)`, `ops.project(x, layer)` and so on; the choices that a
+config makes (Triton GEMV or cuBLAS for single rows, the one-token fused path or not, the GEMV
+table) are read here and in the attention backend, so a runner built with another config runs
+other kernels without any module state changing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radix_runtime.worker.kernels import activation, gemv, norms, rope
+from radix_runtime.worker.kernels.config import KernelConfig
+
+
+class FusedOps:
+    # stateless kernels: the same whatever the config
+    rmsnorm = staticmethod(norms.rmsnorm)
+    fused_add_rmsnorm = staticmethod(norms.fused_add_rmsnorm)
+    gemma_rmsnorm = staticmethod(norms.gemma_rmsnorm)
+    gemma_norm_add_norm = staticmethod(norms.gemma_norm_add_norm)
+    silu_and_mul = staticmethod(activation.silu_and_mul)
+    gelu_tanh_and_mul = staticmethod(activation.gelu_tanh_and_mul)
+    rotary_qk = staticmethod(rope.rotary_qk)
+
+    def __init__(self, config: KernelConfig) -> None:
+        self.config = config
+        self.row_fusion = config.row_fusion
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
+        """`kernels.gemv.gemv` with this config's table."""
+        return gemv.gemv(x, weight, table=self.config.gemv_configs, **kw)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """F.linear, with the Triton GEMV for single-row inputs (no bias, contiguous operands):
+        faster than cuBLAS's batch-1 kernels on every 8B projection and the LM head."""
+        if (
+            self.config.triton_gemv
+            and x.shape[0] == 1
+            and bias is None
+            and x.is_contiguous()
+            and weight.is_contiguous()
+        ):
+            return self.gemv(x, weight)
+        return F.linear(x, weight, bias)
+
+    def project(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+        """A decoder projection: `linear` for a plain layer; for an FP8 one (worker/quant.py's
+        Fp8Linear, which has a `weight_scale`) the scaled GEMV at one row, else its own forward
+        (FP8 tensor cores)."""
+        scale = getattr(layer, "weight_scale", None)
+        if scale is None:
+            return self.linear(x, layer.weight, layer.bias)
+        if self.config.triton_gemv and x.shape[0] == 1 and layer.bias is None and x.is_contiguous():
+            return self.gemv(x, layer.weight, w_scale=scale)
+        return layer(x)

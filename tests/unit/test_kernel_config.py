@@ -1,0 +1,77 @@
+"""KernelConfig: the CUDA path's kernel choices live in one object per runner, not in module state.
+
+The kernels themselves need CUDA (tests/gpu/test_kernels.py); here the dispatch that a config
+drives is checked on the CPU with the Triton GEMV replaced by a recorder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radix_runtime.config import ServerArgs
+from radix_runtime.worker.kernels import KernelConfig, gemv
+from radix_runtime.worker.kernels.ops import FusedOps
+from radix_runtime.worker.model_runner import ModelRunner
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    calls = []
+
+    def fake_gemv(x, weight, **kw):
+        calls.append(kw)
+        return F.linear(x, weight)
+
+    monkeypatch.setattr(gemv, "gemv", fake_gemv)
+    return calls
+
+
+def test_single_rows_take_the_gemv_with_the_configs_table(gemv_calls):
+    table = {(5, 8, gemv.GEMV_PLAIN, False): (2, 8, 1)}
+    ops = FusedOps(KernelConfig(gemv_configs=table))
+    w = torch.randn(5, 8)
+    x = torch.randn(1, 8)
+    assert torch.allclose(ops.linear(x, w, None), x @ w.T)
+    assert gemv_calls == [{"table": table}]
+    ops.linear(torch.randn(3, 8), w, None)  # more rows: F.linear
+    ops.linear(x, w, torch.zeros(5))  # a bias: F.linear
+    assert len(gemv_calls) == 1
+
+
+def test_triton_gemv_off_sends_single_rows_to_cublas(gemv_calls):
+    ops = FusedOps(replace(KernelConfig(), triton_gemv=False, row_fusion=False))
+    ops.linear(torch.randn(1, 8), torch.randn(5, 8), None)
+    assert gemv_calls == [] and ops.row_fusion is False
+
+
+def test_fp8_projection_passes_its_scale(gemv_calls):
+    layer = torch.nn.Linear(8, 5, bias=False)
+    layer.weight_scale = torch.ones(5)
+    FusedOps(KernelConfig()).project(torch.randn(1, 8), layer)
+    assert gemv_calls[0]["w_scale"] is layer.weight_scale
+
+
+def test_gemv_table_comes_from_the_sweep_named_by_the_environment(tmp_path, monkeypatch):
+    sweep = {
+        "cases": [{"rows": 7, "cols": 64, "prologue": 1, "add": True, "best_config": [8, 64, 2]}]
+    }
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(sweep))
+    assert (7, 64, 1, True) not in KernelConfig().gemv_configs
+    monkeypatch.setenv(gemv.GEMV_CONFIGS_ENV, str(path))
+    table = KernelConfig().gemv_configs
+    assert table[(7, 64, 1, True)] == (8, 64, 2)
+    assert table[(6144, 4096, gemv.GEMV_PLAIN, False)] == gemv.GEMV_CONFIGS[(6144, 4096, 0, False)]
+
+
+def test_runner_hands_its_config_to_the_attention_backend():
+    kernels = KernelConfig(triton_decode_max_bs=0)
+    args = ServerArgs(model="tiny-llama", load_format="dummy", device="cpu", max_total_tokens=256,
+                      max_running_requests=2)  # fmt: skip
+    runner = ModelRunner(args, kernels=kernels)
+    assert runner.kernels is kernels and runner.attn.kernels is kernels
