@@ -12,20 +12,14 @@ KV heads with biases (o_proj's bias added once), KV heads replicated over the ra
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from tp_support import run_steps, runner_args
+from tp_support import run_ranks, run_steps, runner_args
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker.distributed import kv_heads_of, shard_checkpoint, shard_config
 from radix_runtime.worker.model_config import UnsupportedModel, load_hf_config
-
-TESTS = os.path.dirname(os.path.dirname(__file__))
 
 
 def _hf_llama(folder, num_kv_heads: int, bias: bool) -> str:
@@ -55,22 +49,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_ranks(models, tmp_path_factory):
     """Rank 0's results from two gloo ranks, per model."""
-    tmp = tmp_path_factory.mktemp("tp")
-    out, init = tmp / "rank0.pt", f"file://{tmp / 'rendezvous'}"
-    cmd = [sys.executable, os.path.join(TESTS, "tp_support.py")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([*cmd, str(r), "2", init, str(out), *models], env=env) for r in (0, 1)
-    ]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert codes == [0, 0]
-    return torch.load(out, weights_only=False)
+    return run_ranks(models, str(tmp_path_factory.mktemp("tp")), env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow
