@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         for b in a.batch_sizes
     }
     result = {
-        **provenance(
+        "provenance": provenance(
             "--tp 1 on one GPU of the same machine, same run (goal: batch-1 speed-up >= 1.6 at tp 2)",
             {f"tp{t}": engine_flags(a, t) for t in (a.tp, 1)},
             argv,

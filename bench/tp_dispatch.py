@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     modes = {mode: run(mode, a.ranks, a.iters) for mode in ("push", "pub", "relay")}
     result = {
-        **provenance("the same frame's round trip for each way, same run", None, argv),
+        "provenance": provenance("the same frame's round trip for each way, same run", None, argv),
         "config": vars(a),
         "modes": modes,
         "relay_over_push": modes["relay"]["median_us"] / modes["push"]["median_us"],
