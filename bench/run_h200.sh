@@ -40,6 +40,16 @@
 #   tp         (2+ GPUs: the nvidia-h200-x2 kind) tests/gpu/test_tensor_parallel_gpu.py, then
 #              bench/tensor_parallel.py: Llama-3.1-8B shape, --tp 2 vs --tp 1 decode tok/s at
 #              batch 1 and 64 -> $OUT/gpu_tests_tp.txt, $OUT/h200x2_tensor_parallel.json
+#   serving_roofline  issue 21's measurements, about 5 minutes: roofline_worker, then
+#                    roofline_serve:default and roofline_serve:page16:--page-size,16
+#   roofline_worker  bench/gpu_worker.py: decode steps of 256 and 512 requests at 1,536 tokens of
+#                    context against their bandwidth roofline, graph vs eager, host and GPU time by
+#                    phase, at page size 1 and (512 only) 16
+#                    -> $OUT/h200_gpu_worker_large_decode.json, h200_gpu_worker_large_decode_p16.json
+#   roofline_serve:NAME:FLAGS  bench/serving.py, 512 random prompts x 1000 tokens in / 1000 out, all
+#                    at once, with the comma-separated server flags FLAGS: output tok/s against the
+#                    workload's roofline (ceilings measured in the run), ITL p99 / p50
+#                    -> $OUT/h200_serving_roofline_NAME.json
 # The multi-turn stages keep the launched servers' logs in $OUT/logs_<name>/.
 # A stage given twice writes its repeat beside the first (name_<time>).
 # e.g.  bash bench/run_h200.sh tests kernels worker
@@ -55,7 +65,16 @@ python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 
 python3 -c "import uvloop, httptools; print('uvloop', uvloop.__version__, 'httptools', httptools.__version__)" \
     || echo "no uvloop/httptools: the server runs on asyncio + h11 (bench/fetch_device_wheels.sh)"
 status=0
+stages=()
 for stage in "$@"; do
+    if [ "$stage" = serving_roofline ]; then
+        stages+=(roofline_worker roofline_serve:default roofline_serve:page16:--page-size,16)
+    else
+        stages+=("$stage")
+    fi
+done
+LARGE_DECODE_KEYS="^(copy_TBps|matmul_TFLOPs|page_size|decode_bs(256|512)_ctx1536_(ms|roofline_ms|roofline_ratio|sync_ms|graph_bs|graph_replay_ms|graph_roofline_ratio|eager_ms|eager_roofline_ratio|host_prepare_ms|host_plan_ms|profile_(graph|eager)))[ :]|by phase"
+for stage in "${stages[@]}"; do
     t0=$(date +%s)
     echo "=== $stage"
     case $stage in
@@ -94,7 +113,8 @@ for stage in "$@"; do
             for model in qwen3-8b mistral-7b gemma-3-12b; do
                 batches=1,64,256
                 [ "$model" = gemma-3-12b ] && batches=1,64  # 393 KB of KV a token
-                timeout 200 python3 bench/gpu_worker.py --model "$model" --decode-batches "$batches" --no-ab \
+                timeout 200 python3 bench/gpu_worker.py --model "$model" --decode-batches "$batches" \
+                    --large-decodes "" --no-ab \
                     --out "$OUT/h200_gpu_worker_$model.json" \
                     | grep -E "^(decode_bs1_roofline|decode_bs1_graph_roofline|prefill_8192_mfu|prefill_2048_mfu|decode_bs64_tok_s|weight_GB)" \
                     || status=1
@@ -151,6 +171,22 @@ for stage in "$@"; do
                 --random-range-ratio 0.5 --rates 1,inf \
                 --out "$OUT/h200_serving_$sv_name.json" --plot "$OUT/h200_serving_$sv_name.png" \
                 || status=1 ;;
+        roofline_worker)
+            timeout 150 python3 bench/gpu_worker.py --decode-batches "" --no-prefill --no-ab \
+                --large-decodes 256x1536,512x1536 --out "$OUT/h200_gpu_worker_large_decode.json" \
+                | grep -E "$LARGE_DECODE_KEYS" || status=1
+            timeout 100 python3 bench/gpu_worker.py --decode-batches "" --no-prefill --no-ab \
+                --large-decodes 512x1536 --page-size 16 \
+                --out "$OUT/h200_gpu_worker_large_decode_p16.json" \
+                | grep -E "$LARGE_DECODE_KEYS" || status=1 ;;
+        roofline_serve:*)
+            IFS=: read -r _ rs_name rs_flags <<< "$stage"
+            timeout 170 python3 bench/serving.py --model llama-3.1-8b \
+                --server-args "--load-format dummy ${rs_flags//,/ }" --dataset random \
+                --num-prompts 512 --random-input-len 1000 --random-output-len 1000 \
+                --random-range-ratio 1.0 --rates inf \
+                --out "$OUT/h200_serving_roofline_$rs_name.json" 2>&1 \
+                | grep -vE "it/s\]|req/s\]" | tail -12 || status=1 ;;
         serving_gsp)
             timeout 400 python3 bench/serving.py --model llama-3.1-8b \
                 --server-args "--load-format dummy" --dataset generated-shared-prefix \

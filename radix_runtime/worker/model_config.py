@@ -457,10 +457,6 @@ def load_hf_config(path: str) -> ModelConfig:
     return config_from_hf_dict(cfg, extra_eos)
 
 
-# GGUF general.architecture values gguf_format.py reads (Mistral files are "llama")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-
-
 def preflight(source) -> None:
     """Refuse an unsupported model before any process starts: parse its config (HF folder or
     dummy config.json), or check a GGUF's architecture and RoPE keys from its header (the
@@ -470,19 +466,7 @@ def preflight(source) -> None:
         return
     if source.kind != "gguf":
         return
-    from radix_runtime.tokenizer.gguf_vocab import read_gguf_metadata
+    from radix_runtime.utils.gguf_header import read_gguf_metadata
+    from radix_runtime.worker.gguf_format import gguf_architecture
 
-    meta = read_gguf_metadata(source.path)
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModel(
-            f"GGUF general.architecture = {arch!r} is not supported "
-            f"({', '.join(GGUF_ARCHITECTURES)} are)"
-        )
-    if meta.get(f"{arch}.expert_count"):
-        raise UnsupportedModel(f"GGUF {arch}.expert_count = {meta[f'{arch}.expert_count']}: MoE")
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind not in (None, "none", "linear", "yarn"):
-        raise UnsupportedModel(
-            f"GGUF {arch}.rope.scaling.type = {kind!r} is not supported (linear, yarn are)"
-        )
+    gguf_architecture(read_gguf_metadata(source.path))
