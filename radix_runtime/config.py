@@ -281,8 +281,8 @@ _HELP = {
     "is then free); write_back: copy it when it is evicted from the device",
     "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
     "per-output-channel scales and FP8 activations with per-token dynamic scales "
-    "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128) and keep "
-    "them dequantized: int4's accuracy at the model dtype's memory and speed; quantized "
+    "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128): packed "
+    "W4A16 with the int4 GEMV on CUDA, kept dequantized on the CPU; quantized "
     "checkpoints (FP8, AWQ, GPTQ) are recognised from their config and need no flag",
     "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
     "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "

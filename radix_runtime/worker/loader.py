@@ -56,10 +56,16 @@ class LoadedModel:
 
 
 def load_model(
-    args: ServerArgs, device: torch.device, dtype: torch.dtype, tp: TPRank | None = None
+    args: ServerArgs,
+    device: torch.device,
+    dtype: torch.dtype,
+    packed_int4: bool = False,
+    tp: TPRank | None = None,
 ) -> LoadedModel:
-    """The model (with `tp`: this rank's share of it, built from its local config and filled
-    from the checkpoint's slices; `LoadedModel.config` is then the local config)."""
+    """`packed_int4`: int4 weights (an AWQ / GPTQ checkpoint, `--quantization int4`) stay packed
+    in `quant.Int4Linear`s for the int4 GEMV, instead of dequantized at load. `tp`: build this
+    rank's share of the model (from its local config, filled from the checkpoint's slices;
+    `LoadedModel.config` is then the local config)."""
     tp = tp or TPRank()
     source = resolve_model(args.model, args.load_format, args.model_config)
     expected = _FORMAT_KIND.get(args.load_format)
@@ -97,7 +103,9 @@ def load_model(
             quant.use_fp8_layers(model, device)
             weights = quant.fp8_checkpoint(weights, kv_scales)
         elif scheme["method"] in ("awq", "gptq"):
-            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales)
+            if packed_int4:
+                quant.use_int4_layers(model, device, scheme)
+            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales, packed_int4)
             quantization = scheme["method"]
         model.load_weights(weights)
     elif source.kind == "gguf":
@@ -114,7 +122,7 @@ def load_model(
     if args.quantization == "fp8" and model.quantization == "none":
         quant.quantize_model_fp8(model)
     elif args.quantization == "int4" and quantization == "none":
-        quant.quantize_model_int4_rtn(model)
+        quant.quantize_model_int4_rtn(model, packed=packed_int4)
     if model.quantization != "none":
         quantization = model.quantization
     if source.kind != "gguf":

@@ -121,7 +121,9 @@ class ModelRunner:
             torch.set_num_threads(cpu_threads(ranks_here=args.tp // args.nnodes))
         torch.manual_seed(args.seed)
         self.tp.join(self.device)
-        loaded = load_model(args, self.device, self.dtype, self.tp)
+        # int4 weights stay packed where the int4 GEMV runs (CUDA, with the kernels)
+        packed_int4 = self.device.type == "cuda" and self.kernels.int4_gemv and kernels_available()
+        loaded = load_model(args, self.device, self.dtype, packed_int4, self.tp)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.dtype, self.weight_format = loaded.dtype, loaded.weight_format
         self.model_name = loaded.source.name
