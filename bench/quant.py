@@ -19,7 +19,7 @@ Ratios against bf16 (`*_vs_bf16`) are what the goals are set on: decode FP8 >= 1
 not a goal).
 
     python bench/quant.py --out docs/results/h200_quant.json
-    python bench/quant.py --variants bf16,int4 --no-sweep      # int4 vs bf16 decode only
+    python bench/quant.py --variants bf16,int4 --sweeps int4   # int4 vs bf16 (run_h200.sh int4)
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--no-sweep", action="store_true", help="skip the FP8 and int4 GEMV sweeps")
+    p.add_argument("--sweeps", default="fp8,int4", help="which GEMV sweeps run (fp8, int4)")
     p.add_argument("--out")
     args = p.parse_args()
     read_tbps = read_bandwidth_TBps()
@@ -191,8 +192,10 @@ def main() -> None:
         "read_TBps": read_tbps,
         "variants": {},
     }
-    if not args.no_sweep:
+    sweeps = set() if args.no_sweep else set(args.sweeps.split(","))
+    if "fp8" in sweeps:
         results["gemv_fp8"] = gemv_fp8_sweep()
+    if "int4" in sweeps:
         results["gemv_int4"] = gemv_int4_sweep()
     for name in args.variants.split(","):
         results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)

@@ -79,6 +79,8 @@ class ServerArgs:
     kv_events_replay_endpoint: str | None = None
     # constrained decoding: threads compiling grammars in the worker (off its step loop)
     grammar_compile_threads: int = 2
+    # constrained decoding: threads filling a batch's token masks (0: one after another)
+    grammar_fill_threads: int = 0
     # constrained decoding: append the tokens a grammar forces (fixed JSON keys) in one step
     enable_jump_forward: bool = False
     # process hygiene
@@ -170,6 +172,8 @@ class ServerArgs:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.grammar_compile_threads < 1:
             raise ValueError("--grammar-compile-threads must be >= 1")
+        if self.grammar_fill_threads < 0:
+            raise ValueError("--grammar-fill-threads must be >= 0")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.hicache_size < 0 or self.hicache_ratio <= 0:
@@ -265,6 +269,8 @@ _HELP = {
     "a decode step each (docs/structured_output.md)",
     "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
     "worker, off its step loop",
+    "grammar_fill_threads": "threads filling a batch's grammar token masks in the worker "
+    "(xgrammar's BatchGrammarMatcher; 0: one matcher after another on the step's thread)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health (give it "
     "several times for several keys)",
     "api_key_file": "a file of API keys, one per line: KEY [TENANT] (keys of one tenant share its "
