@@ -14,7 +14,12 @@ scheduler): Llama-3.1-8B shape, bf16, dummy weights by default. Reports
   on; `_read_bw_fraction` by `read_TBps`; `_spec_fraction` by the spec);
 - prefill of 8,192 tokens in one chunk, as MFU: model FLOPs / time / matmul ceiling
   (`prefill_8192_mfu`; `prefill_8192_mfu_spec` against the spec);
-- cached TTFT: the same 8,192-token prompt with its first 7,936 tokens already in the pool.
+- cached TTFT: the same 8,192-token prompt with its first 7,936 tokens already in the pool;
+- large decode steps (`--large-decodes`, default 256 and 512 requests at 1,536 tokens of
+  context): step time / bandwidth roofline (weights once + every request's KV at the copy
+  bandwidth; `decode_bs512_ctx1536_roofline_ratio`, goal <= 1.15), graph vs eager, the host's
+  batch preparation and attention planning, and the GPU time by phase (matmul, attention, KV
+  store, sampling, ...; `--trace-dir` also writes Chrome traces).
 Decode step times are host wall-clock per step as the worker runs them (`decode_bsN_ms`: the
 overlap schedule, step N+1 launched before step N is collected, so the host work of one step hides
 behind the GPU's work on the other) and one step at a time (`decode_bsN_sync_ms`: `forward`, which
@@ -26,6 +31,7 @@ synchronizes); both include planning, copies and sampling: what a server step co
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -40,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import provenance, safe_token_range
+from bench.kernel_phases import phase_breakdown
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker.cuda_graph import CudaGraphRunner
@@ -255,13 +262,21 @@ class Bench:
         return wall_ms(lambda: self.runner._prepare([req]), 5, iters)
 
 
-def kernel_profile(fn, steps: int, top: int = 14) -> dict:
-    """GPU kernels of `steps` calls of fn (torch.profiler, CUDA activity only): the time per
-    call by kernel name, largest first, plus totals."""
+def kernel_profile(fn, steps: int, top: int = 14, trace: str | None = None) -> dict:
+    """GPU kernels of `steps` calls of fn (torch.profiler, CUDA activity only; with `trace`, CPU
+    activity too, written there as a Chrome trace): the time per call by kernel name, largest
+    first, the time per phase of the step (bench/kernel_phases.py), plus totals."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
+    if trace:  # a profile of its own: CPU events would count their kernels' time again below
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
@@ -275,6 +290,7 @@ def kernel_profile(fn, steps: int, top: int = 14) -> dict:
     return {
         "gpu_us_per_call": sum(k[0] for k in kernels),
         "kernels_per_call": sum(k[1] for k in kernels),
+        "phases_us": phase_breakdown([{"us": t, "name": n} for t, _, n in kernels]),
         "top": [{"us": t, "calls": c, "name": n} for t, c, n in kernels[:top]],
     }
 
@@ -321,6 +337,78 @@ def prefill_flops(runner: ModelRunner, n: int, prefix: int = 0) -> float:
     )
     attention = 4 * c.num_heads * c.head_dim * keys_seen
     return 2 * n * layer_weights + 2 * c.hidden_size * c.vocab_size + attention
+
+
+def parse_large_decodes(text: str) -> list[tuple[int, int]]:
+    """ "256x1536,512x1536" -> [(256, 1536), (512, 1536)] (batch x context)."""
+    out = []
+    for part in text.split(","):
+        if part.strip():
+            bs, ctx = part.lower().split("x")
+            out.append((int(bs), int(ctx)))
+    return out
+
+
+def large_decode(
+    bench: Bench, bs: int, ctx: int, w_bytes: int, kv_per_token: int, copy_bps: float,
+    trace_dir: str | None = None,
+) -> dict:  # fmt: skip
+    """A decode step of `bs` requests at `ctx` tokens of context against its bandwidth roofline
+    (weights once + every request's KV, at the copy bandwidth), and where its time goes:
+    - `_ms` (overlapped, as the server runs it), `_sync_ms` (one step alone), `_eager_ms` (one
+      step alone without CUDA graphs), `_graph_replay_ms` (the graph's GPU time, when the batch
+      fits one);
+    - `_roofline_ms` and `_roofline_ratio` = step time / roofline time (the goal: <= 1.15);
+    - host work of the step: `_host_prepare_ms` (the runner's batch layout and metadata) and
+      `_host_plan_ms` (the attention backend's plan of the eager path);
+    - GPU time per phase (`_profile_graph` / `_profile_eager`: kernels by phase, bench/kernel_phases.py),
+      sampling and the KV store included."""
+    runner = bench.runner
+    key = f"decode_bs{bs}_ctx{ctx}"
+    warmup, iters = 3, 15
+    out: dict = {}
+    ms = bench.decode_overlapped(bs, ctx, warmup, iters)
+    # KV read by the middle step: every request's context, the token of the step included
+    kv_bytes = bs * (ctx + 1 + warmup + iters // 2) * kv_per_token
+    roof_ms = (w_bytes + kv_bytes) / copy_bps * 1e3
+    out[f"{key}_kv_GB"] = kv_bytes / 1e9
+    out[f"{key}_roofline_ms"] = roof_ms
+    out[f"{key}_ms"] = ms
+    out[f"{key}_roofline_ratio"] = ms / roof_ms
+    out[f"{key}_tok_s"] = bs / (ms * 1e-3)
+    out[f"{key}_sync_ms"] = bench.decode(bs, ctx, warmup, iters)
+    # the same step again and again (each writes the same position: its pages are there)
+    pos = bench.last_decode_pos
+    reqs = [m.ForwardReq(slot=i, input_ids=m.pack_ids([5]), start_pos=pos) for i in range(bs)]
+
+    def step() -> None:
+        bench.forward(reqs)
+
+    out[f"{key}_host_prepare_ms"] = wall_ms(lambda: runner._prepare(reqs), 3, 20)
+    meta = runner._prepare(reqs).meta
+    graphs = runner.cuda_graphs
+    if graphs is not None and graphs.can_run(meta):
+        step()  # the graph's wrapper planned for this batch
+        padded = graphs.batch_sizes[bisect.bisect_left(graphs.batch_sizes, bs)]
+        replay_ms = cuda_time_ms(graphs.graphs[padded].replay, 3, 20)
+        out[f"{key}_graph_bs"] = padded
+        out[f"{key}_graph_replay_ms"] = replay_ms
+        out[f"{key}_graph_roofline_ratio"] = replay_ms / roof_ms
+        trace = f"{trace_dir}/{key}_graph.json" if trace_dir else None
+        out[f"{key}_profile_graph"] = kernel_profile(step, 3, trace=trace)
+    else:
+        out[f"{key}_graph_bs"] = None  # beyond --cuda-graph-max-bs: the step runs eager
+    runner.cuda_graphs = None
+    try:
+        runner.attn.plan(meta)
+        out[f"{key}_host_plan_ms"] = wall_ms(lambda: runner.attn.plan(meta), 3, 20)
+        out[f"{key}_eager_ms"] = wall_ms(step, 2, 8)
+        out[f"{key}_eager_roofline_ratio"] = out[f"{key}_eager_ms"] / roof_ms
+        trace = f"{trace_dir}/{key}_eager.json" if trace_dir else None
+        out[f"{key}_profile_eager"] = kernel_profile(step, 3, trace=trace)
+    finally:
+        runner.cuda_graphs = graphs
+    return out
 
 
 def host_profile(fn, calls: int, top: int = 25) -> str:
@@ -377,6 +465,46 @@ def experiments(
     results["experiments"] = exp
 
 
+def prefill(runner: ModelRunner, bench: Bench, results: dict, args: argparse.Namespace) -> None:
+    """Cold and cached prefill of --prefill-tokens, and a 2,048-token prefill, as MFU."""
+    n, cached = args.prefill_tokens, args.cached_tokens
+    cold_ms, hit_ms = bench.cached_prefill(n, cached)
+    results["prefill_8192_ms" if n == 8192 else f"prefill_{n}_ms"] = cold_ms
+    flops = prefill_flops(runner, n)
+    results["prefill_tflops"] = flops / (cold_ms * 1e-3) / 1e12
+    results["prefill_8192_mfu" if n == 8192 else f"prefill_{n}_mfu"] = (
+        results["prefill_tflops"] / results["matmul_TFLOPs"]
+    )
+    if results["spec_TFLOPs"]:
+        results["prefill_8192_mfu_spec" if n == 8192 else f"prefill_{n}_mfu_spec"] = (
+            results["prefill_tflops"] / results["spec_TFLOPs"]
+        )
+    results["prefill_kernel"] = getattr(getattr(runner.attn, "_prefill", None), "_backend", None)
+    results["cached_ttft_ms"] = hit_ms
+    results["cached_ttft_profile"] = kernel_profile(bench.last_hit, 2)
+    results["cached_ttft_speedup"] = cold_ms / hit_ms
+    ext = runner.extend_graphs
+    if ext is not None:  # the same cached prefill without the prefill graphs (eager)
+        replays = ext.replays
+        bench.last_hit()
+        results["cached_ttft_graphed"] = ext.replays > replays
+        results["extend_graph_capture_s"] = ext.capture_s
+        runner.extend_graphs = None
+        results["cached_ttft_eager_ms"] = wall_ms(bench.last_hit, 2, 10)
+        results["cached_ttft_eager_speedup"] = cold_ms / results["cached_ttft_eager_ms"]
+        runner.extend_graphs = ext
+    results["cached_prefill_mfu"] = (
+        prefill_flops(runner, n - cached, cached)
+        / (hit_ms * 1e-3)
+        / 1e12
+        / results["matmul_TFLOPs"]
+    )
+    results["prefill_2048_ms"] = bench.prefill(2048, 1, 5)
+    results["prefill_2048_mfu"] = (
+        prefill_flops(runner, 2048) / (results["prefill_2048_ms"] * 1e-3) / 1e12
+    ) / results["matmul_TFLOPs"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", help="a dummy config name or path")
@@ -384,7 +512,16 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--cached-tokens", type=int, default=7936)
-    p.add_argument("--decode-batches", default="1,64,256")
+    p.add_argument("--decode-batches", default="1,64,256", help="'' for none")
+    p.add_argument(
+        "--large-decodes",
+        type=parse_large_decodes,
+        default=parse_large_decodes("256x1536,512x1536"),
+        help="BATCHxCONTEXT decode steps measured against their bandwidth roofline with a "
+        "phase breakdown ('' for none)",
+    )
+    p.add_argument("--no-prefill", action="store_true", help="skip the prefill measurements")
+    p.add_argument("--trace-dir", help="also write Chrome traces of the large decode steps here")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument(
         "--no-ab",
@@ -402,8 +539,15 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "model": args.model}
     results.update(ceilings())
     torch.cuda.empty_cache()
-    batches = [int(b) for b in args.decode_batches.split(",")]
-    pool_tokens = max(max(batches) * (args.context + 64), 3 * args.prefill_tokens) + 4096
+    batches = [int(b) for b in args.decode_batches.split(",") if b.strip()]
+    largest = max(batches, default=1)
+    pool_tokens = max(
+        largest * (args.context + 64),
+        *(bs * (ctx + 64) for bs, ctx in args.large_decodes),
+        0 if args.no_prefill else 3 * args.prefill_tokens,
+    )
+    pool_tokens += 4096
+    largest = max([largest, *(bs for bs, _ in args.large_decodes)])
     t0 = time.perf_counter()
     runner = ModelRunner(
         ServerArgs(
@@ -412,8 +556,8 @@ def main() -> None:
             page_size=args.page_size,
             context_length=max(16384, args.prefill_tokens + 1024),
             max_total_tokens=pool_tokens,
-            max_running_requests=max(256, max(batches)),
-            cuda_graph_max_bs=max(batches),
+            max_running_requests=max(256, largest),
+            cuda_graph_max_bs=largest,
         )
     )
     results.update(
@@ -454,46 +598,16 @@ def main() -> None:
                 results["decode_bs1_eager_ms"] = bench.decode(1, args.context, 3, 10)
                 runner.cuda_graphs = graphs
 
-    n, cached = args.prefill_tokens, args.cached_tokens
-    cold_ms, hit_ms = bench.cached_prefill(n, cached)
-    results["prefill_8192_ms" if n == 8192 else f"prefill_{n}_ms"] = cold_ms
-    flops = prefill_flops(runner, n)
-    results["prefill_tflops"] = flops / (cold_ms * 1e-3) / 1e12
-    results["prefill_8192_mfu" if n == 8192 else f"prefill_{n}_mfu"] = (
-        results["prefill_tflops"] / results["matmul_TFLOPs"]
-    )
-    if results["spec_TFLOPs"]:
-        results["prefill_8192_mfu_spec" if n == 8192 else f"prefill_{n}_mfu_spec"] = (
-            results["prefill_tflops"] / results["spec_TFLOPs"]
+    for bs, ctx in args.large_decodes:
+        results.update(
+            large_decode(bench, bs, ctx, w_bytes, kv_per_token, copy_bps, args.trace_dir)
         )
-    results["prefill_kernel"] = getattr(getattr(runner.attn, "_prefill", None), "_backend", None)
-    results["cached_ttft_ms"] = hit_ms
-    results["cached_ttft_profile"] = kernel_profile(bench.last_hit, 2)
-    results["cached_ttft_speedup"] = cold_ms / hit_ms
-    ext = runner.extend_graphs
-    if ext is not None:  # the same cached prefill without the prefill graphs (eager)
-        replays = ext.replays
-        bench.last_hit()
-        results["cached_ttft_graphed"] = ext.replays > replays
-        results["extend_graph_capture_s"] = ext.capture_s
-        runner.extend_graphs = None
-        results["cached_ttft_eager_ms"] = wall_ms(bench.last_hit, 2, 10)
-        results["cached_ttft_eager_speedup"] = cold_ms / results["cached_ttft_eager_ms"]
-        runner.extend_graphs = ext
-    results["cached_prefill_mfu"] = (
-        prefill_flops(runner, n - cached, cached)
-        / (hit_ms * 1e-3)
-        / 1e12
-        / results["matmul_TFLOPs"]
-    )
-    results["prefill_2048_ms"] = bench.prefill(2048, 1, 5)
-    results["prefill_2048_mfu"] = (
-        prefill_flops(runner, 2048) / (results["prefill_2048_ms"] * 1e-3) / 1e12
-    ) / results["matmul_TFLOPs"]
+    if not args.no_prefill:
+        prefill(runner, bench, results, args)
 
     if args.experiments:
         experiments(runner, bench, results, args.context, w_bytes, copy_bps)
-    if runner.cuda_graphs is not None and not args.no_ab:
+    if runner.cuda_graphs is not None and not args.no_ab and 1 in batches:
         # A/B in the same run: batch-1 decode with FlashInfer's decode attention instead of the
         # Triton split-KV kernel; also without the fused one-token path (the norms, adds and
         # SiLU as kernels of their own); and that with cuBLAS for every projection
@@ -533,6 +647,8 @@ def main() -> None:
     for k, v in results.items():
         if isinstance(v, dict) and "top" in v:  # kernel profiles
             print(f"{k}: {v['gpu_us_per_call']:.1f} us GPU, {v['kernels_per_call']:.0f} kernels")
+            phases = ", ".join(f"{name} {us:.0f}" for name, us in v["phases_us"].items())
+            print(f"    by phase (us): {phases}")
             for row in v["top"]:
                 print(f"    {row['us']:9.1f} us  x{row['calls']:<5.0f} {row['name']}")
         else:

@@ -17,6 +17,8 @@
 #   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
 #              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
+#   int4       bench/quant.py: bf16 and packed int4 (W4A16, the Triton int4 GEMV) decode at batch 1
+#              and prefill 8K in one run, the int4 GEMV block sweep -> $OUT/h200_quant_int4.json
 #   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
@@ -37,6 +39,19 @@
 #                    H200, each sizing its KV pool from half the memory; docs/scaling.md), router
 #                    policies cache_aware vs round_robin, token ids -> $OUT/h200_dp_router.json
 #                    (needs sglang-router from bench/fetch_device_wheels.sh)
+#   tp         (2+ GPUs: the nvidia-h200-x2 kind) tests/gpu/test_tensor_parallel_gpu.py, then
+#              bench/tensor_parallel.py: Llama-3.1-8B shape, --tp 2 vs --tp 1 decode tok/s at
+#              batch 1 and 64 -> $OUT/gpu_tests_tp.txt, $OUT/h200x2_tensor_parallel.json
+#   serving_roofline  issue 21's measurements, about 5 minutes: roofline_worker, then
+#                    roofline_serve:default and roofline_serve:page16:--page-size,16
+#   roofline_worker  bench/gpu_worker.py: decode steps of 256 and 512 requests at 1,536 tokens of
+#                    context against their bandwidth roofline, graph vs eager, host and GPU time by
+#                    phase, at page size 1 and (512 only) 16
+#                    -> $OUT/h200_gpu_worker_large_decode.json, h200_gpu_worker_large_decode_p16.json
+#   roofline_serve:NAME:FLAGS  bench/serving.py, 512 random prompts x 1000 tokens in / 1000 out, all
+#                    at once, with the comma-separated server flags FLAGS: output tok/s against the
+#                    workload's roofline (ceilings measured in the run), ITL p99 / p50
+#                    -> $OUT/h200_serving_roofline_NAME.json
 # The multi-turn stages keep the launched servers' logs in $OUT/logs_<name>/.
 # A stage given twice writes its repeat beside the first (name_<time>).
 # e.g.  bash bench/run_h200.sh tests kernels worker
@@ -52,7 +67,16 @@ python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 
 python3 -c "import uvloop, httptools; print('uvloop', uvloop.__version__, 'httptools', httptools.__version__)" \
     || echo "no uvloop/httptools: the server runs on asyncio + h11 (bench/fetch_device_wheels.sh)"
 status=0
+stages=()
 for stage in "$@"; do
+    if [ "$stage" = serving_roofline ]; then
+        stages+=(roofline_worker roofline_serve:default roofline_serve:page16:--page-size,16)
+    else
+        stages+=("$stage")
+    fi
+done
+LARGE_DECODE_KEYS="^(copy_TBps|matmul_TFLOPs|page_size|decode_bs(256|512)_ctx1536_(ms|roofline_ms|roofline_ratio|sync_ms|graph_bs|graph_replay_ms|graph_roofline_ratio|eager_ms|eager_roofline_ratio|host_prepare_ms|host_plan_ms|profile_(graph|eager)))[ :]|by phase"
+for stage in "${stages[@]}"; do
     t0=$(date +%s)
     echo "=== $stage"
     case $stage in
@@ -79,6 +103,11 @@ for stage in "$@"; do
                 && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/h200_gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        tp)
+            python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider \
+                --timeout 300 2>&1 | tee "$OUT/gpu_tests_tp.txt" | tail -15 || status=1
+            timeout 540 python3 bench/tensor_parallel.py --model-config llama-3.1-8b --tp 2 \
+                --batch-sizes 1,64 --out "$OUT/h200x2_tensor_parallel.json" || status=1 ;;
         families)
             python3 -m pytest tests/gpu/test_model_families_gpu.py tests/gpu/test_kernels.py -q \
                 -p no:cacheprovider --timeout 200 -k "families or window or head_norms or gemma" \
@@ -86,7 +115,8 @@ for stage in "$@"; do
             for model in qwen3-8b mistral-7b gemma-3-12b; do
                 batches=1,64,256
                 [ "$model" = gemma-3-12b ] && batches=1,64  # 393 KB of KV a token
-                timeout 200 python3 bench/gpu_worker.py --model "$model" --decode-batches "$batches" --no-ab \
+                timeout 200 python3 bench/gpu_worker.py --model "$model" --decode-batches "$batches" \
+                    --large-decodes "" --no-ab \
                     --out "$OUT/h200_gpu_worker_$model.json" \
                     | grep -E "^(decode_bs1_roofline|decode_bs1_graph_roofline|prefill_8192_mfu|prefill_2048_mfu|decode_bs64_tok_s|weight_GB)" \
                     || status=1
@@ -102,6 +132,9 @@ for stage in "$@"; do
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
+        int4)
+            timeout 420 python3 bench/quant.py --variants bf16,int4 --sweeps int4 \
+                --out "$OUT/h200_quant_int4.json" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
                 --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \
@@ -143,6 +176,22 @@ for stage in "$@"; do
                 --random-range-ratio 0.5 --rates 1,inf \
                 --out "$OUT/h200_serving_$sv_name.json" --plot "$OUT/h200_serving_$sv_name.png" \
                 || status=1 ;;
+        roofline_worker)
+            timeout 150 python3 bench/gpu_worker.py --decode-batches "" --no-prefill --no-ab \
+                --large-decodes 256x1536,512x1536 --out "$OUT/h200_gpu_worker_large_decode.json" \
+                | grep -E "$LARGE_DECODE_KEYS" || status=1
+            timeout 100 python3 bench/gpu_worker.py --decode-batches "" --no-prefill --no-ab \
+                --large-decodes 512x1536 --page-size 16 \
+                --out "$OUT/h200_gpu_worker_large_decode_p16.json" \
+                | grep -E "$LARGE_DECODE_KEYS" || status=1 ;;
+        roofline_serve:*)
+            IFS=: read -r _ rs_name rs_flags <<< "$stage"
+            timeout 170 python3 bench/serving.py --model llama-3.1-8b \
+                --server-args "--load-format dummy ${rs_flags//,/ }" --dataset random \
+                --num-prompts 512 --random-input-len 1000 --random-output-len 1000 \
+                --random-range-ratio 1.0 --rates inf \
+                --out "$OUT/h200_serving_roofline_$rs_name.json" 2>&1 \
+                | grep -vE "it/s\]|req/s\]" | tail -12 || status=1 ;;
         serving_gsp)
             timeout 400 python3 bench/serving.py --model llama-3.1-8b \
                 --server-args "--load-format dummy" --dataset generated-shared-prefix \

@@ -14,10 +14,13 @@ llama.cpp hard-codes them (every 6th layer global, base 10,000 for local layers,
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from radix_runtime.utils.gguf_header import read_gguf_metadata
 from radix_runtime.worker.model_config import ModelConfig, UnsupportedModel
 
 # architectures whose Q/K rows llama.cpp permuted on conversion
@@ -64,10 +67,24 @@ _GLOBAL_NAMES = {
 ROPE_FREQS = "rope_freqs.weight"  # folded into the config, not a model weight
 
 
-def open_gguf(path: str):
+@dataclass
+class GgufFile:
+    """A GGUF file: its key/value metadata (`utils/gguf_header.py`, the reader every GGUF consumer
+    shares) and `gguf.GGUFReader`'s view of its tensors."""
+
+    path: str
+    meta: dict[str, Any]
+    reader: Any  # gguf.GGUFReader
+
+    @property
+    def tensors(self) -> list:
+        return self.reader.tensors
+
+
+def open_gguf(path: str) -> GgufFile:
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    return GgufFile(path, read_gguf_metadata(path), GGUFReader(path))
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
@@ -99,46 +116,51 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def _eos_ids(reader) -> list[int]:
-    ids = [
-        _field(reader, "tokenizer.ggml.eos_token_id"),
-        _field(reader, "tokenizer.ggml.eot_token_id"),
-    ]
-    template = _field(reader, "tokenizer.chat_template", "") or ""
+def _eos_ids(meta: dict[str, Any]) -> list[int]:
+    ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+    template = meta.get("tokenizer.chat_template") or ""
     used = [t for t in _END_OF_TURN_TOKENS if t in template]
     if used:
-        vocab = {tok: i for i, tok in enumerate(_field(reader, "tokenizer.ggml.tokens", []))}
+        vocab = {tok: i for i, tok in enumerate(meta.get("tokenizer.ggml.tokens") or [])}
         ids += [vocab.get(t) for t in used]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _tensor_by_name(reader, name: str):
-    return next((t for t in reader.tensors if t.name == name), None)
+def _tensor_by_name(f: GgufFile, name: str):
+    return next((t for t in f.tensors if t.name == name), None)
 
 
-def config_from_gguf(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def gguf_architecture(meta: dict[str, Any]) -> str:
+    """The file's `general.architecture`, after the refusals its header alone decides (an
+    architecture we do not implement, MoE, a RoPE scaling type we do not implement). The CLI's
+    preflight runs these on the header before any process starts; the worker again on load."""
+    arch = meta.get("general.architecture")
     if arch not in _ARCH_TO_MODEL_TYPE:
         raise UnsupportedModel(
             f"GGUF general.architecture = {arch!r} is not supported "
             f"({', '.join(_ARCH_TO_MODEL_TYPE)} are)"
         )
+    if meta.get(f"{arch}.expert_count"):
+        raise UnsupportedModel(f"GGUF {arch}.expert_count = {meta[f'{arch}.expert_count']}: MoE")
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear", "yarn"):
+        raise UnsupportedModel(
+            f"GGUF {arch}.rope.scaling.type = {kind!r} is not supported (linear, yarn are)"
+        )
+    return arch
+
+
+def config_from_gguf(f: GgufFile) -> ModelConfig:
+    arch = gguf_architecture(f.meta)
 
     def get(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return f.meta.get(f"{arch}.{key}", default)
 
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in f.tensors}
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    embed = _tensor_by_name(reader, "token_embd.weight")
+    embed = _tensor_by_name(f, "token_embd.weight")
     scaling = _gguf_rope_scaling(get)
-    if get("expert_count"):
-        raise UnsupportedModel(f"GGUF {arch}.expert_count = {get('expert_count')}: MoE")
-    freqs = _tensor_by_name(reader, ROPE_FREQS)
+    freqs = _tensor_by_name(f, ROPE_FREQS)
     num_layers = int(get("block_count"))
     head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
     family = _ARCH_FAMILY.get(arch, "llama")
@@ -174,25 +196,24 @@ def config_from_gguf(reader) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         rope_scaling=scaling,
         rope_freq_factors=None if freqs is None else tuple(float(x) for x in freqs.data),
-        eos_token_ids=tuple(_eos_ids(reader)),
+        eos_token_ids=tuple(_eos_ids(f.meta)),
     )
 
 
 def _gguf_rope_scaling(get) -> dict | None:
-    """llama.cpp's rope.scaling.* keys -> our scaling dict (linear, yarn), or a refusal."""
+    """llama.cpp's rope.scaling.* keys -> our scaling dict (`gguf_architecture` refused every
+    type but linear and yarn)."""
     kind = get("rope.scaling.type")
     if kind in (None, "none"):
         return None
     factor = float(get("rope.scaling.factor"))
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        return {
-            "rope_type": "yarn",
-            "factor": factor,
-            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
-        }
-    raise UnsupportedModel(f"GGUF rope.scaling.type = {kind!r} is not supported (linear, yarn are)")
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+    }
 
 
 def dequantize_tensor(t) -> np.ndarray:
@@ -206,11 +227,11 @@ def dequantize_tensor(t) -> np.ndarray:
     return values if values.flags.writeable else values.copy()
 
 
-def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensors(f: GgufFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every weight, Q/K unpermuted where llama.cpp permuted them."""
-    arch = _field(reader, "general.architecture")
+    arch = f.meta["general.architecture"]
     permuted = arch in _PERMUTED_ARCHS
-    for t in reader.tensors:
+    for t in f.tensors:
         if t.name == ROPE_FREQS:
             continue
         values = dequantize_tensor(t)
@@ -223,15 +244,13 @@ def gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
         yield hf_tensor_name(t.name, arch), torch.from_numpy(values)
 
 
-def num_weight_tensors(reader) -> int:
-    return sum(1 for t in reader.tensors if t.name != ROPE_FREQS)
+def num_weight_tensors(f: GgufFile) -> int:
+    return sum(1 for t in f.tensors if t.name != ROPE_FREQS)
 
 
-def tensor_types(reader) -> dict[str, str]:
+def tensor_types(f: GgufFile) -> dict[str, str]:
     """HF name -> GGUF tensor type name (`Q4_1`, `Q8_0`, `F32`, ...) of every weight."""
-    arch = _field(reader, "general.architecture")  # Gemma 3 names its norms its own way
+    arch = f.meta["general.architecture"]  # Gemma 3 names its norms its own way
     return {
-        hf_tensor_name(t.name, arch): t.tensor_type.name
-        for t in reader.tensors
-        if t.name != ROPE_FREQS
+        hf_tensor_name(t.name, arch): t.tensor_type.name for t in f.tensors if t.name != ROPE_FREQS
     }

@@ -105,6 +105,10 @@ class ModelConfig:
     rope_local_scaling: dict[str, Any] | None = None
     # the checkpoint's weight quantization (model_config.quant_scheme): None = unquantized
     quantization: dict[str, Any] | None = None
+    # tensor parallelism: > 1 in a rank's local view (worker/distributed.py `shard_config`), whose
+    # heads, KV heads and intermediate size are that rank's share; the row-parallel projections
+    # (o_proj, down_proj) all-reduce their output over the ranks
+    tp_size: int = 1
 
     @property
     def q_size(self) -> int:
@@ -453,10 +457,6 @@ def load_hf_config(path: str) -> ModelConfig:
     return config_from_hf_dict(cfg, extra_eos)
 
 
-# GGUF general.architecture values gguf_format.py reads (Mistral files are "llama")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-
-
 def preflight(source) -> None:
     """Refuse an unsupported model before any process starts: parse its config (HF folder or
     dummy config.json), or check a GGUF's architecture and RoPE keys from its header (the
@@ -466,19 +466,7 @@ def preflight(source) -> None:
         return
     if source.kind != "gguf":
         return
-    from radix_runtime.tokenizer.gguf_vocab import read_gguf_metadata
+    from radix_runtime.utils.gguf_header import read_gguf_metadata
+    from radix_runtime.worker.gguf_format import gguf_architecture
 
-    meta = read_gguf_metadata(source.path)
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModel(
-            f"GGUF general.architecture = {arch!r} is not supported "
-            f"({', '.join(GGUF_ARCHITECTURES)} are)"
-        )
-    if meta.get(f"{arch}.expert_count"):
-        raise UnsupportedModel(f"GGUF {arch}.expert_count = {meta[f'{arch}.expert_count']}: MoE")
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind not in (None, "none", "linear", "yarn"):
-        raise UnsupportedModel(
-            f"GGUF {arch}.rope.scaling.type = {kind!r} is not supported (linear, yarn are)"
-        )
+    gguf_architecture(read_gguf_metadata(source.path))

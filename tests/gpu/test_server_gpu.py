@@ -61,3 +61,24 @@ def test_generate_cache_and_graphs(launch_server):
         _same_greedy(a, b)
     assert "backend flashinfer, CUDA graphs on" in graphs.log()
     assert "backend flashinfer, CUDA graphs off" in eager.log()
+
+
+def test_page_size_16_serves_the_same_tokens(launch_server):
+    """--page-size 16 end to end (the GPU default candidate): page-aligned cache hits, and the
+    greedy tokens of page size 1, CUDA graphs and the overlap schedule on."""
+    shared = random_ids(300, 0)
+    prompts = [shared + random_ids(20, i + 1) for i in range(6)] + [random_ids(5, 9)]
+    pages = launch_server(*FLAGS, "--page-size", "16")
+    _generate(pages, prompts[:1])  # the shared prefix into the tree
+    paged = _generate(pages, prompts)
+    # 300 shared tokens: 18 whole pages of 16 hit
+    assert all(o["meta_info"]["cached_tokens"] == 288 for o in paged[1:6]), [
+        o["meta_info"]["cached_tokens"] for o in paged
+    ]
+    tokens = launch_server(*FLAGS)
+    _generate(tokens, prompts[:1])
+    for a, b in zip(paged, _generate(tokens, prompts)):
+        assert len(a["output_ids"]) == NEW_TOKENS
+        _same_greedy(a, b)
+    with pages.client() as c:
+        assert c.get("/get_server_info").json()["cache"]["page_size"] == 16

@@ -162,12 +162,13 @@ def test_multi_turn_chat_text_mode_paced(default_server, tmp_path):
 # (dataset flags, rates): the random dataset sweeps two rates, the shared-prefix one sends at once
 DATASETS = {
     "random": (
-        ("--num-prompts", "3", "--random-input-len", "24", "--random-output-len", "6"),
+        ("--num-prompts", "3", "--random-input-len", "24", "--random-output-len", "6",
+         "--client-procs", "2"),
         ("16,inf", [16.0, "inf"]),
     ),
     "generated-shared-prefix": (
         ("--num-groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "48",
-         "--question-len", "8", "--output-len", "4"),
+         "--question-len", "8", "--output-len", "4", "--no-roofline"),
         ("inf", ["inf"]),
     ),
 }  # fmt: skip
@@ -177,7 +178,7 @@ DATASETS = {
 def test_serving_sweep(default_server, tmp_path, dataset):
     flags, (rates, expected_rates) = DATASETS[dataset]
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
-    run_script(
+    stdout = run_script(
         "serving.py",
         "--url", default_server.url,
         "--dataset", dataset,
@@ -195,6 +196,24 @@ def test_serving_sweep(default_server, tmp_path, dataset):
     n = 3 if dataset == "random" else 6
     for row in rows:
         check_section(row, n)
+        assert row["itl_p99_over_p50"] >= 1
+        assert row["mismatched_results"] == 0
+    if dataset == "random":
+        # the roofline from the ceilings measured in the run and the work the requests did
+        ceilings = result["config"]["ceilings"]
+        assert ceilings["device"] == "cpu" and ceilings["matmul_TFLOPs"] > 0
+        assert result["provenance"]["ceiling"]["roofline"]["copy_TBps"] == ceilings["copy_TBps"]
+        for row in rows:
+            ideal, ran = row["roofline"], row["roofline_run"]
+            assert ideal["output_tokens"] == row["output_tokens"]
+            assert 0 < ideal["decode_steps"] <= ran["decode_steps"]  # the ideal batches are larger
+            assert ideal["output_tok_s"] >= ran["output_tok_s"]
+            assert 0 < row["roofline_fraction"] <= row["roofline_run_fraction"]
+        assert stdout.count(": roofline_fraction ") == len(rows)
+        assert stdout.count(": roofline_run_fraction ") == len(rows)
+        assert stdout.count("itl_p99_over_p50") == len(rows)
+    else:
+        assert result["config"]["ceilings"] is None and "roofline" not in rows[0]
     if dataset == "generated-shared-prefix":
         # 4 of 6 prompts share a 48-token system prompt: at least 4 * 48 / (6 * 56)
         assert all(r["optimal_hit_rate"] >= 4 * 48 / (6 * 56) - EPS for r in rows)

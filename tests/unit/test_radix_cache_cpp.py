@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 )
 
 from radix_runtime.config import ServerArgs
-from radix_runtime.scheduler import scheduler as scheduler_module
+from radix_runtime.scheduler import kv as scheduler_module  # builds the scheduler's tree
 from radix_runtime.scheduler.allocator import PageAllocator
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.radix_cache import RadixCache
@@ -71,6 +71,10 @@ def same_match(a, b) -> None:
     assert a.pages.tolist() == b.pages.tolist()
     assert a.pages.dtype == b.pages.dtype == np.int32
     assert a.node.id == b.node.id
+    # the host tier's fields (without one: 0 and the matched node, None for a missing namespace)
+    assert a.host_length == b.host_length
+    assert (a.host_node is None) == (b.host_node is None)
+    assert a.host_node is None or a.host_node.id == b.host_node.id
 
 
 # ---------------------------------------------------------------- 1. differential property test

@@ -13,7 +13,7 @@ import pytest
 from radix_runtime import model_source
 from radix_runtime.model_source import ModelNotFound, ModelSource
 from radix_runtime.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
-from radix_runtime.tokenizer.gguf_vocab import read_gguf_metadata
+from radix_runtime.utils.gguf_header import read_gguf_metadata
 
 sentencepiece = pytest.importorskip("sentencepiece")
 gguf = pytest.importorskip("gguf")
