@@ -97,3 +97,34 @@ def _projections(net):
         for name, child in parent.named_children():
             if name.endswith("_proj"):
                 yield parent, name, child
+
+
+def test_fused_path_picks_the_int4_kernel_by_rows(monkeypatch):
+    """FusedOps.project on a packed layer: the GEMV up to int4_gemv_max_rows rows, the GEMM up to
+    int4_gemm_max_rows, the layer's own (dequantizing) forward beyond, and always with
+    int4_gemv off; the bias is added after a kernel."""
+    from radix_runtime.worker.kernels import KernelConfig, int4_gemv
+    from radix_runtime.worker.kernels.ops import FusedOps
+
+    calls = []
+
+    def recorder(kind):
+        def run(x, qweight, scales, zeros, group, config=None):
+            calls.append((kind, x.shape[0]))
+            return int4_gemv_torch(x, qweight, scales, zeros, group)
+
+        return run
+
+    monkeypatch.setattr(int4_gemv, "int4_gemv", recorder("gemv"))
+    monkeypatch.setattr(int4_gemv, "int4_gemm", recorder("gemm"))
+    dense = Linear(128, 24, True, torch.float32)
+    dense.weight.data.normal_(0, 0.1)
+    dense.bias.data.normal_(0, 0.1)
+    layer = quant.Int4Linear.from_linear(dense)
+    ops = FusedOps(KernelConfig(int4_gemv_max_rows=2, int4_gemm_max_rows=16))
+    for rows in (1, 2, 3, 16, 17):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(ops.project(x, layer), layer(x), rtol=1e-5, atol=1e-5)
+    assert calls == [("gemv", 1), ("gemv", 2), ("gemm", 3), ("gemm", 16)]
+    FusedOps(KernelConfig(int4_gemv=False)).project(torch.randn(1, 128), layer)
+    assert len(calls) == 4
