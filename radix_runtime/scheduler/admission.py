@@ -275,12 +275,7 @@ class Admission:
             c.host_recomputed_tokens += host_len
         req.admitted_at = time.perf_counter()
         if self.stats is not None:
-            self.stats.admitted(
-                len(req.prompt),
-                matched + loaded,
-                req.admitted_at - req.arrived_at,
-                host_cached_tokens=loaded,
-            )
+            self.stats.admitted(req.admitted_at - req.arrived_at)
 
     @staticmethod
     def match_limit(req: Req) -> int:

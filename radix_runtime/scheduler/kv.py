@@ -28,7 +28,7 @@ from radix_runtime.scheduler.allocator import PageAllocator
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.radix_cache import RadixCache
 from radix_runtime.scheduler.request import PageRow, Req
-from radix_runtime.scheduler.stats import Counters, SchedulerStats
+from radix_runtime.scheduler.stats import Counters
 
 # The host tier's cost model (docs/hicache.md): loading n tokens costs LOAD_LATENCY_S +
 # n * kv_bytes_per_token / load_bandwidth (measured by the worker at start); recomputing them
@@ -47,9 +47,8 @@ class KvBook:
         args: ServerArgs,
         worker: WorkerReady,
         counters: Counters,
-        stats: SchedulerStats | None,
     ):
-        self.counters, self.stats = counters, stats
+        self.counters = counters
         self.page_size = worker.page_size
         self.allocator = PageAllocator(worker.num_pages)
         # the host tier (--enable-hierarchical-cache): the worker sized and allocated its pool
@@ -110,9 +109,7 @@ class KvBook:
     def take_pages(self, n: int) -> np.ndarray | None:
         """`n` free pages, evicting cached prefixes for the shortfall; None if there are not."""
         if self.allocator.free_pages < n:
-            evicted = self.cache.evict(n - self.allocator.free_pages)
-            if self.stats is not None:
-                self.stats.evicted_pages += evicted
+            self.counters.evicted_pages += self.cache.evict(n - self.allocator.free_pages)
         return self.allocator.alloc(n)
 
     def lock_match(self, req: Req, match, budget: int, reserve: int) -> int:

@@ -57,10 +57,10 @@ class Scheduler:
         self.eos_ids = set(worker.eos_token_ids)
         self.max_running = args.max_running_requests
         self.counters = Counters()
-        # /metrics: increments since the last report (none with --disable-metrics)
-        self.stats = None if args.disable_metrics else SchedulerStats()
-        self.kv = KvBook(args, worker, self.counters, self.stats)
-        self.queues = Queues(self.kv, self.counters, self.stats)
+        # /metrics: the histograms and the reports (none with --disable-metrics)
+        self.stats = None if args.disable_metrics else SchedulerStats(self.counters)
+        self.kv = KvBook(args, worker, self.counters)
+        self.queues = Queues(self.kv, self.counters)
         self.admission = Admission(
             args, self.context_length, self.vocab_size, self.kv, self.queues, self.counters,
             self.stats,
@@ -171,10 +171,9 @@ class Scheduler:
             if p.sample:
                 token = int(res.next_id)
                 req.output_ids.append(token)
-                if self.stats is not None:
-                    self.stats.generation_tokens += 1
-                    if len(req.output_ids) == 1:
-                        self.stats.first_token(time.perf_counter() - req.admitted_at)
+                self.counters.generation_tokens += 1
+                if self.stats is not None and len(req.output_ids) == 1:
+                    self.stats.first_token(time.perf_counter() - req.admitted_at)
                 if req.return_logprob:
                     out.output_logprobs = pack_floats([res.logprob])
                     out.top_ids, out.top_logprobs = res.top_ids, res.top_logprobs
@@ -190,8 +189,7 @@ class Scheduler:
                         if reason is not None:
                             break
                     self.counters.jumped_tokens += len(new_ids) - 1
-                    if self.stats is not None:
-                        self.stats.generation_tokens += len(new_ids) - 1
+                    self.counters.generation_tokens += len(new_ids) - 1
                 out.new_ids = pack_ids(new_ids)
                 if reason is not None:
                     finished = self.queues.end(req, reason)
