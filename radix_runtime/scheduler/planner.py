@@ -203,8 +203,7 @@ class Planner:
         decoders = [v for v in views if v.is_decoding]
         # every decoder whose next token starts a new page needs one; retract until they fit
         while decoders:
-            need = sum(1 for v in decoders if kv.pages_needed(v.req, v.kv_len + 1) > 0)
-            if kv.available_pages() >= need:
+            if kv.available_pages() >= kv.next_token_pages([(v.req, v.kv_len) for v in decoders]):
                 break
             if ahead:
                 return False
@@ -216,13 +215,7 @@ class Planner:
                 queues.retract(victim.req)
             decoders.remove(victim)
             views.remove(victim)
-        # the decoders' new pages in one allocation (page size 1: every decoder, every step)
-        growing = [v.req for v in decoders if kv.pages_needed(v.req, v.kv_len + 1) > 0]
-        if growing:
-            pages = kv.take_pages(len(growing))
-            assert pages is not None, "pages were counted as available"
-            for req, page in zip(growing, pages.tolist()):
-                req.pages.append(page)
+        kv.grow_next_token([(v.req, v.kv_len) for v in decoders])
         plan.extend(PlannedReq(v.req, 1, True, start=v.kv_len) for v in decoders)
         if decoders:
             self.counters.decode_steps += 1

@@ -26,6 +26,12 @@ class Queues:
         self.reqs: dict[str, Req] = {}  # every request not finished, by rid
         self.outbox: list[ReqOutput] = []  # replies for the tokenizer process, sent after each step
 
+    def start(self, req: Req) -> None:
+        """An admitted request (its KV and slot taken, `KvBook.admit`) runs."""
+        req.state = ReqState.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
+
     def finish(self, req: Req, reason: str) -> ReqOutput:
         """Mark `req` finished (it holds nothing by now) and return its final reply."""
         req.state = ReqState.FINISHED
