@@ -57,7 +57,6 @@ class Admission:
     ):
         self.args, self.context_length, self.vocab_size = args, context_length, vocab_size
         self.kv, self.queues, self.counters, self.stats = kv, queues, counters, stats
-        self.cache = kv.cache
         self.max_running = args.max_running_requests
         self.arrivals = 0
         # constrained decoding: a request whose grammar the worker has not compiled yet waits
@@ -284,13 +283,13 @@ class Admission:
 
     def match(self, req: Req):
         """Longest cached prefix within `match_limit`."""
-        return self.cache.match_prefix(req.ids_slice(0, self.match_limit(req)), req.namespace)
+        return self.kv.cache.match_prefix(req.ids_slice(0, self.match_limit(req)), req.namespace)
 
     def shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
         of `computing` that it could match once they are cached (so waiting pays off): only one
         in its own cache namespace, whose prefix it will be able to match."""
-        if self.cache.disable:
+        if self.kv.cache.disable:
             return False
         limit = self.match_limit(req)
         for other in computing:

@@ -49,7 +49,7 @@ def _total(name: str) -> property:
 
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: WorkerReady):
-        self.args = args
+        self._args = args
         self.page_size = worker.page_size
         self.context_length = worker.context_length
         self.vocab_size = worker.vocab_size
@@ -68,14 +68,19 @@ class Scheduler:
         self.planner = Planner(
             args, self.context_length, self.kv, self.admission, self.queues, self.counters
         )
-        # the parts' state, under the names the process, /metrics and the tests read
-        self.allocator, self.host_allocator = self.kv.allocator, self.kv.host_allocator
-        self.cache, self.tree_impl = self.kv.cache, self.kv.tree_impl
-        self.kv_events = self.kv.kv_events
-        self.waiting, self.running, self.reqs = (
-            self.queues.waiting, self.queues.running, self.queues.reqs
-        )  # fmt: skip
-        self.grammar_waiting = self.admission.grammar_waiting
+
+    # the parts' state, under the names the process, /metrics and the tests read (read-only:
+    # replace a part's state on the part, e.g. `sched.kv.cache`)
+    args = property(lambda self: self._args)
+    allocator = property(lambda self: self.kv.allocator)
+    host_allocator = property(lambda self: self.kv.host_allocator)
+    cache = property(lambda self: self.kv.cache)
+    tree_impl = property(lambda self: self.kv.tree_impl)
+    kv_events = property(lambda self: self.kv.kv_events)
+    waiting = property(lambda self: self.queues.waiting)
+    running = property(lambda self: self.queues.running)
+    reqs = property(lambda self: self.queues.reqs)
+    grammar_waiting = property(lambda self: self.admission.grammar_waiting)
 
     step_id = _total("step_id")
     prompt_tokens_total = _total("prompt_tokens_total")
