@@ -241,8 +241,7 @@ class Admission:
             if computing is None:
                 computing = computing_uncached(running, shared_with)
             match = self.match(req)
-            # NOTE: the C++ tree's matches have no host fields (it has no host tier)
-            host_len = match.host_length if kv.host_allocator is not None else 0
+            host_len = match.host_length  # 0 without a host tier (either tree)
             if self.shares_uncached_prefix(req, match.length + host_len, computing):
                 continue
             taken = kv.admit(req, match, budget, reserve)

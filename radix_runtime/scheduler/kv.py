@@ -147,7 +147,7 @@ class KvBook:
         when the load beats recomputing and the pool has the pages for it and for the first
         chunk; else the request computes those tokens. Returns the tokens loaded."""
         ps = self.page_size
-        host_len = match.host_length if self.host_allocator is not None else 0
+        host_len = match.host_length  # 0 without a host tier (either tree)
         if host_len:
             load_pages = host_len // ps
             kv_after = match.length + host_len
