@@ -191,6 +191,9 @@ def main() -> None:
             "steps": args.steps,
             "repeats": args.repeats,
             "threads": threads,
+            # the default model's tokenizer, or (a machine without it) 259 byte tokens, padded
+            # with never-allowed ids to --vocab
+            "tokenizer_vocab": tokenizer.vocab_size,
         },
         "host_ms_per_step": rows,
         "cpu_apply_ms": apply_ms,
