@@ -17,8 +17,12 @@
 #   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
 #              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
+#   int4       bench/quant.py: bf16 and packed int4 (W4A16, the Triton int4 GEMV) decode at batch 1
+#              and prefill 8K in one run, the int4 GEMV block sweep -> $OUT/h200_quant_int4.json
 #   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
+#   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
+#              at batch 64 per --grammar-fill-threads value -> $OUT/h200_grammar_host.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -37,6 +41,9 @@
 #                    H200, each sizing its KV pool from half the memory; docs/scaling.md), router
 #                    policies cache_aware vs round_robin, token ids -> $OUT/h200_dp_router.json
 #                    (needs sglang-router from bench/fetch_device_wheels.sh)
+#   tp         (2+ GPUs: the nvidia-h200-x2 kind) tests/gpu/test_tensor_parallel_gpu.py, then
+#              bench/tensor_parallel.py: Llama-3.1-8B shape, --tp 2 vs --tp 1 decode tok/s at
+#              batch 1 and 64 -> $OUT/gpu_tests_tp.txt, $OUT/h200x2_tensor_parallel.json
 #   serving_roofline  issue 21's measurements, about 5 minutes: roofline_worker, then
 #                    roofline_serve:default and roofline_serve:page16:--page-size,16
 #   roofline_worker  bench/gpu_worker.py: decode steps of 256 and 512 requests at 1,536 tokens of
@@ -98,6 +105,11 @@ for stage in "${stages[@]}"; do
                 && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/h200_gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        tp)
+            python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider \
+                --timeout 300 2>&1 | tee "$OUT/gpu_tests_tp.txt" | tail -15 || status=1
+            timeout 540 python3 bench/tensor_parallel.py --model-config llama-3.1-8b --tp 2 \
+                --batch-sizes 1,64 --out "$OUT/h200x2_tensor_parallel.json" || status=1 ;;
         families)
             python3 -m pytest tests/gpu/test_model_families_gpu.py tests/gpu/test_kernels.py -q \
                 -p no:cacheprovider --timeout 200 -k "families or window or head_norms or gemma" \
@@ -119,9 +131,15 @@ for stage in "${stages[@]}"; do
             timeout 580 python3 bench/structured.py --model llama-3.1-8b \
                 --server-args "--load-format dummy" --batch 1,64,256 --tokens 256 \
                 --out "$OUT/h200_structured.json" || status=1 ;;
+        grammar_host)
+            timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,2,4,8 \
+                --out "$OUT/h200_grammar_host.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
+        int4)
+            timeout 420 python3 bench/quant.py --variants bf16,int4 --sweeps int4 \
+                --out "$OUT/h200_quant_int4.json" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
                 --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \

@@ -14,7 +14,7 @@ import zmq
 from radix_runtime import kv_events
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
-from radix_runtime.scheduler.stats import SchedulerStats, cache_tree
+from radix_runtime.scheduler.stats import cache_tree, gauges
 from radix_runtime.utils.procs import (
     configure_logging,
     endpoint,
@@ -23,6 +23,7 @@ from radix_runtime.utils.procs import (
     set_process_title,
     zmq_socket,
 )
+from radix_runtime.utils.tp import RankFanout
 
 logger = logging.getLogger("radix_runtime.scheduler")
 
@@ -75,7 +76,7 @@ class SchedulerProcess:
         self.from_worker = zmq_socket(
             self.ctx, zmq.PULL, endpoint(ipc_dir, "scheduler_w"), bind=True
         )
-        self.to_worker = zmq_socket(self.ctx, zmq.PUSH, endpoint(ipc_dir, "worker"), bind=False)
+        self.to_worker = RankFanout(self.ctx, args, ipc_dir)  # every tensor-parallel rank
         self.scheduler = None
         self.running = True
         # KV-cache events (kv_events.py): a PUB socket, and a ROUTER answering snapshot requests
@@ -169,7 +170,7 @@ class SchedulerProcess:
             self.send_tok(sched.flush_cache())
         elif isinstance(msg, m.MetricsReq):
             # NOTE: answered even with --disable-metrics (gauges only), so a request never hangs
-            self.send_tok((sched.stats or SchedulerStats()).report(sched))
+            self.send_tok(sched.stats.report(sched) if sched.stats else gauges(sched))
         elif isinstance(msg, m.CacheTreeReq):
             self.send_tok(
                 cache_tree(sched.cache, max(msg.max_depth, 0), max(msg.max_children, 1),

@@ -16,6 +16,13 @@ then a CUDA event is recorded. `collect(pending)` waits on that event and builds
 launched step that sampled it: gathered on the device from `last_sampled`, so the next step can be
 queued before the host has seen the token. `forward(batch) == collect(launch(batch))`. On the CPU
 the same code runs: launch does the work, collect packs it.
+
+Constrained rows sample from a mask the host fills from the token each row sampled in the step
+before. `launch(batch, defer_sample=True)` then stops after queueing the forward; the worker
+loop collects (and sends) the previous step's result and only then calls `sample(pending)`,
+which accepts the tokens, fills the masks and queues the sampling: the scheduler builds the
+next batch while the host fills the masks and the device runs the forward. A deferred sampling
+is done before anything else is queued (the next launch, or collect).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from radix_runtime.config import ServerArgs
 from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
+from radix_runtime.worker.distributed import TPRank
 from radix_runtime.worker.host_copy import to_device
 from radix_runtime.worker.host_pool import HostKVPool, host_pool_pages, measure_load_bandwidth
 from radix_runtime.worker.kernels import KernelConfig
@@ -57,14 +65,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_threads() -> int:
+def cpu_threads(ranks_here: int = 1) -> int:
     """Intra-op threads for the CPU path: OMP_NUM_THREADS when set, else the cores this process
     may run on (its affinity mask, which a container or `taskset` narrows; torch's default counts
-    every core of the host)."""
+    every core of the host), split between the `ranks_here` tensor-parallel ranks on them."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return len(os.sched_getaffinity(0))
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -98,6 +106,7 @@ class PendingStep:
     event: torch.cuda.Event | None = None  # recorded after the device-to-host copies
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
     load: object = None  # the host tier's load timing (HostKVPool.load_time)
+    deferred: tuple | None = None  # (layout, logits, keep_logits) until `sample` runs
 
     def ready(self) -> bool:
         """True when `collect` would not wait (always, off CUDA)."""
@@ -105,16 +114,24 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, kernels: KernelConfig | None = None) -> None:
-        """`kernels`: the CUDA path's kernel choices (default: what serving runs)."""
+    def __init__(
+        self, args: ServerArgs, kernels: KernelConfig | None = None, tp: TPRank | None = None
+    ) -> None:
+        """`kernels`: the CUDA path's kernel choices (default: what serving runs). `tp`: this
+        worker's tensor-parallel rank (worker/distributed.py); it holds that rank's share of the
+        model and of the KV pool, and joins the others' collectives."""
         self.args = args
         self.kernels = kernels or KernelConfig()
-        self.device = pick_device(args.device)
+        self.tp = tp or TPRank()
+        self.device = self.tp.pin(pick_device(args.device))
         self.dtype = pick_dtype(args.dtype, self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads())
+            torch.set_num_threads(cpu_threads(ranks_here=args.tp // args.nnodes))
         torch.manual_seed(args.seed)
-        loaded = load_model(args, self.device, self.dtype)
+        self.tp.join(self.device)
+        # int4 weights stay packed where the int4 GEMV runs (CUDA, with the kernels)
+        packed_int4 = self.device.type == "cuda" and self.kernels.int4_gemv and kernels_available()
+        loaded = load_model(args, self.device, self.dtype, packed_int4, self.tp)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.dtype, self.weight_format = loaded.dtype, loaded.weight_format
         self.model_name = loaded.source.name
@@ -151,7 +168,9 @@ class ModelRunner:
             list(c.eos_token_ids),
             self.grammars,
             jump_forward=args.enable_jump_forward,
+            fill_threads=args.grammar_fill_threads,
         )
+        self._deferred: PendingStep | None = None  # launched with its sampling not queued yet
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(
@@ -180,10 +199,12 @@ class ModelRunner:
                 self.max_pages_per_slot,
                 self.device,
             )
+        self.tp.barrier(self.device)  # rank 0 reports ready once every rank is
         logger.info(
-            "worker ready: %s on %s/%s, %d KV pages x %d tokens, backend %s, CUDA graphs %s",
+            "worker ready: %s on %s/%s, %d KV pages x %d tokens, backend %s, CUDA graphs %s%s",
             self.model_name, self.device, self.dtype, self.kv_pool.num_pages, self.page_size,
             self.attn.name, "on" if self.cuda_graphs else "off",
+            f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp.enabled else "",
         )  # fmt: skip
 
     def _grammar_cache(self, source):
@@ -263,6 +284,8 @@ class ModelRunner:
         num_pages = num_pages_for(
             args.max_total_tokens, self.page_size, self.device, per_token, args.mem_fraction_static
         )
+        # NOTE: a page id names the same slot on every rank, so all ranks hold the same count
+        num_pages = self.tp.min_over_ranks(num_pages, self.device)
         logger.info(
             "KV pool: %d pages, %.2f GiB", num_pages, num_pages * self.page_size * per_token / 2**30
         )
@@ -323,10 +346,15 @@ class ModelRunner:
         return self.collect(pending), pending.logits or []
 
     @torch.inference_mode()
-    def launch(self, batch: m.ForwardBatch, keep_logits: bool = False) -> PendingStep:
+    def launch(
+        self, batch: m.ForwardBatch, keep_logits: bool = False, defer_sample: bool = False
+    ) -> PendingStep:
         """Prepare the step on the host and enqueue all of its device work (model, sampling, the
-        copies of the results to the host); nothing waits for the device."""
+        copies of the results to the host); nothing waits for the device. With `defer_sample`
+        and a constrained row in the batch, only the model: `sample(pending)` queues the rest."""
         t0 = time.perf_counter()
+        if self._deferred is not None:  # the step before samples first (stream order)
+            self.sample(self._deferred)
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
@@ -336,9 +364,27 @@ class ModelRunner:
             pending.load = self._host_copies(batch)
         if not batch.reqs:
             return pending
-        reqs = batch.reqs
-        layout = self._prepare(reqs)
-        logits = self._logits(layout, keep_logits)
+        layout = self._prepare(batch.reqs)
+        pending.deferred = (layout, self._logits(layout, keep_logits), keep_logits)
+        if not (
+            defer_sample and self.sampler.has_grammar([r.slot for r in batch.reqs if r.sample])
+        ):
+            self.sample(pending)
+        else:
+            self._deferred = pending
+        return pending
+
+    @torch.inference_mode()
+    def sample(self, pending: PendingStep) -> None:
+        """Queue the sampling of a launched step and the copies of its results to the host (a
+        no-op once done)."""
+        if pending.deferred is None:
+            return
+        layout, logits, keep_logits = pending.deferred
+        pending.deferred = None
+        if self._deferred is pending:
+            self._deferred = None
+        reqs = pending.reqs
         per_req = [logits[a:b] if b > a else None for a, b in layout.logit_ranges]
         fetch: list[torch.Tensor] = []
         sampled = [i for i, r in enumerate(reqs) if r.sample]
@@ -354,6 +400,8 @@ class ModelRunner:
                 [reqs[i].return_logprob for i in sampled],
                 [reqs[i].top_logprobs_num for i in sampled],
             )
+            # every rank sampled the same logits alike; rank 0's ids make sure all feed them
+            self.tp.broadcast_from_first(out.next_ids)
             self.last_sampled[to_device(slots, torch.long, self.device)] = out.next_ids
             pending.sample, pending.sampled = out, sampled
             fetch.extend(out.tensors())
@@ -362,10 +410,9 @@ class ModelRunner:
             fetch.extend(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
         pending.host, pending.event = self._copy_to_host(fetch)
         if sampled:  # host[0]: the sampled ids (a grammar accepts its token from there)
-            self.sampler.note_sampled(slots, batch.step, pending.host[0], pending.event)
+            self.sampler.note_sampled(slots, pending.step, pending.host[0], pending.event)
         if keep_logits:
             pending.logits = per_req
-        return pending
 
     def _host_copies(self, batch: m.ForwardBatch):
         """The host tier's copies of this batch, queued before its model (HostKVPool.copy)."""
@@ -383,6 +430,7 @@ class ModelRunner:
 
     def collect(self, pending: PendingStep) -> m.ForwardResult:
         """Wait for a launched step and pack its result."""
+        self.sample(pending)
         if pending.event is not None:
             pending.event.synchronize()
         load_s = HostKVPool.load_time(pending.load) if pending.load is not None else 0.0
@@ -398,8 +446,12 @@ class ModelRunner:
                 req = pending.reqs[i]
                 # no jump-forward for logprob requests: forced tokens have no model logprob
                 jump = not req.return_logprob and req.top_logprobs_num == 0
-                done, error, forced = self.sampler.grammar_status(req.slot, pending.step, jump)
+                done, error, replaced, forced = self.sampler.grammar_status(
+                    req.slot, pending.step, jump
+                )
                 res.grammar_done, res.grammar_error = done, error
+                if replaced is not None:  # jump-forward re-tokenized the boundary
+                    res.next_id = replaced
                 if forced:
                     res.jump_ids = m.pack_ids(forced)
                 res.logprob = out.logprobs[j]

@@ -24,7 +24,9 @@ from radix_runtime.worker.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     apply_rope,
+    reduce_row_parallel,
 )
 from radix_runtime.worker.model_config import ModelConfig
 from radix_runtime.worker.models.checkpoint import fused_name, shard_rows, shards_of
@@ -40,7 +42,9 @@ class LlamaAttention(nn.Module):
         self.config = config
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, config.qkv_bias, dtype)
-        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias, dtype)
+        self.o_proj = RowParallelLinear(
+            config.q_size, config.hidden_size, config.o_bias, dtype, config.tp_size
+        )
 
     def forward(
         self,
@@ -68,7 +72,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, layer_id, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, dtype, tp_size=config.tp_size
+        )
 
     def forward(
         self,
@@ -95,9 +101,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names mirror Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
 
-    # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers) | int4
-    # (rounded at load, kept dequantized)
+    # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers) | int4 / awq
+    # / gptq (packed Int4Linear layers on CUDA, dequantized weights elsewhere)
     quantization = "none"
+    packed_int4 = False  # some decoder projections are Int4Linear (worker/quant.py)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -146,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
-        row_ok = not (c.qkv_bias or c.o_bias)  # (FP8 layers: the GEMV reads their scales)
+        # FP8 layers: the GEMV reads their scales; packed int4 ones take the per-projection path;
+        # tensor parallelism: the o/down GEMVs' residual-add epilogue would add a partial sum
+        row_ok = not (c.qkv_bias or c.o_bias or c.tp_size > 1 or self.packed_int4)
         if h.shape[0] == 1 and ops.row_fusion and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
@@ -157,10 +166,11 @@ class LlamaForCausalLM(nn.Module):
             a, mlp = layer.self_attn, layer.mlp
             qkv = ops.project(x, a.qkv_proj)
             out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
-            h = ops.project(out, a.o_proj)
+            h = reduce_row_parallel(a.o_proj, ops.project(out, a.o_proj))
             x = ops.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
             gate_up = ops.project(x, mlp.gate_up_proj)
-            h = ops.project(ops.silu_and_mul(gate_up), mlp.down_proj)
+            down = ops.project(ops.silu_and_mul(gate_up), mlp.down_proj)
+            h = reduce_row_parallel(mlp.down_proj, down)
         return ops.fused_add_rmsnorm(h, residual, self.model.norm.weight, eps)
 
     def _forward_row(
