@@ -169,6 +169,7 @@ def measure(url: str, tokens: int, tag: str) -> dict:
     turn2 = history + answer["choices"][0]["text"] + "\nQuestion: and in one word?"
     sent, first, _, _, _ = stream(url, turn2, 2)
     return {
+        "loadavg_1m": os.getloadavg()[0],  # the machine's load right after the round
         "decode_b1_tok_s": decode_b1,
         "decode_b8_tok_s": decode_b8,
         "prefill_tok_s": prefill,
