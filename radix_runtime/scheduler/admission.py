@@ -30,7 +30,7 @@ from radix_runtime.messages import (
 from radix_runtime.scheduler.kv import KvBook
 from radix_runtime.scheduler.policy import order_waiting
 from radix_runtime.scheduler.queues import Queues
-from radix_runtime.scheduler.request import PlannedReq, Req, ReqState
+from radix_runtime.scheduler.request import PlannedReq, Req
 from radix_runtime.scheduler.stats import Counters, SchedulerStats
 
 if TYPE_CHECKING:
@@ -57,7 +57,6 @@ class Admission:
     ):
         self.args, self.context_length, self.vocab_size = args, context_length, vocab_size
         self.kv, self.queues, self.counters, self.stats = kv, queues, counters, stats
-        self.cache = kv.cache
         self.max_running = args.max_running_requests
         self.arrivals = 0
         # constrained decoding: a request whose grammar the worker has not compiled yet waits
@@ -208,13 +207,14 @@ class Admission:
         shared_with: list[Req] = (),
     ) -> None:
         """Admit waiting requests in policy order, next to the `running` requests as the step
-        finds them (planner.py); `reserve` pages stay free for the running decoders' next tokens,
-        so an admission never forces a retraction. A request that shares
-        at least IN_BATCH_SHARE_THRESHOLD not-yet-cached prompt tokens with one that is computing
-        them waits: with a request admitted in this step, with a running request whose prefill is
-        not done (a prefix longer than a chunk is cached chunk by chunk), and with `shared_with`,
-        the requests that had prefill rows in the step still in flight (their KV is not in the
-        tree yet). Then it matches the whole prefix instead of computing it again."""
+        finds them (planner.py), while the budget, the slots and the pages last; `reserve` pages
+        stay free for the running decoders' next tokens, so an admission never forces a
+        retraction. A request that shares at least IN_BATCH_SHARE_THRESHOLD not-yet-cached prompt
+        tokens with one that is computing them waits: with a request admitted in this step, with
+        a running request whose prefill is not done (a prefix longer than a chunk is cached chunk
+        by chunk), and with `shared_with`, the requests that had prefill rows in the step still
+        in flight (their KV is not in the tree yet). Then it matches the whole prefix instead of
+        computing it again."""
         waiting, kv = self.queues.waiting, self.kv
         if not waiting or budget <= 0:
             return
@@ -244,18 +244,13 @@ class Admission:
             host_len = match.host_length  # 0 without a host tier (either tree)
             if self.shares_uncached_prefix(req, match.length + host_len, computing):
                 continue
-            loaded = kv.lock_match(req, match, budget, reserve)
-            n = min(budget, req.remaining_fill)
-            if not kv.grow_pages(req, req.kv_len + n, reserve):
-                kv.unlock_match(req)
+            taken = kv.admit(req, match, budget, reserve)
+            if taken is None:  # the pages do not fit: the ones after it wait too (policy order)
                 break
+            n, loaded = taken
             if req.cached_tokens < 0:
                 self._count_admission(req, match.length, host_len, loaded)
-            req.slot = kv.take_slot()
-            req.sent_pages = 0
-            req.state = ReqState.RUNNING
-            waiting.remove(req)
-            self.queues.running.append(req)
+            self.queues.start(req)
             n_running += 1
             computing.append(req)
             sample = req.kv_len + n == req.all_len and not req.prefill_only
@@ -274,12 +269,7 @@ class Admission:
             c.host_recomputed_tokens += host_len
         req.admitted_at = time.perf_counter()
         if self.stats is not None:
-            self.stats.admitted(
-                len(req.prompt),
-                matched + loaded,
-                req.admitted_at - req.arrived_at,
-                host_cached_tokens=loaded,
-            )
+            self.stats.admitted(req.admitted_at - req.arrived_at)
 
     @staticmethod
     def match_limit(req: Req) -> int:
@@ -292,13 +282,13 @@ class Admission:
 
     def match(self, req: Req):
         """Longest cached prefix within `match_limit`."""
-        return self.cache.match_prefix(req.ids_slice(0, self.match_limit(req)), req.namespace)
+        return self.kv.cache.match_prefix(req.ids_slice(0, self.match_limit(req)), req.namespace)
 
     def shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
         of `computing` that it could match once they are cached (so waiting pays off): only one
         in its own cache namespace, whose prefix it will be able to match."""
-        if self.cache.disable:
+        if self.kv.cache.disable:
             return False
         limit = self.match_limit(req)
         for other in computing:

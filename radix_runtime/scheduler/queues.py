@@ -13,18 +13,24 @@ import logging
 from radix_runtime.messages import ReqOutput
 from radix_runtime.scheduler.kv import KvBook
 from radix_runtime.scheduler.request import Req, ReqState
-from radix_runtime.scheduler.stats import Counters, SchedulerStats
+from radix_runtime.scheduler.stats import Counters
 
 logger = logging.getLogger("radix_runtime.scheduler.scheduler")
 
 
 class Queues:
-    def __init__(self, kv: KvBook, counters: Counters, stats: SchedulerStats | None):
-        self.kv, self.counters, self.stats = kv, counters, stats
+    def __init__(self, kv: KvBook, counters: Counters):
+        self.kv, self.counters = kv, counters
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}  # every request not finished, by rid
         self.outbox: list[ReqOutput] = []  # replies for the tokenizer process, sent after each step
+
+    def start(self, req: Req) -> None:
+        """An admitted request (its KV and slot taken, `KvBook.admit`) runs."""
+        req.state = ReqState.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
 
     def finish(self, req: Req, reason: str) -> ReqOutput:
         """Mark `req` finished (it holds nothing by now) and return its final reply."""
@@ -54,8 +60,6 @@ class Queues:
         req.state = ReqState.WAITING
         req.retractions += 1
         self.counters.retractions += 1
-        if self.stats is not None:
-            self.stats.retractions += 1
         self.waiting.insert(0, req)
 
     def take_outputs(self) -> list[ReqOutput]:

@@ -10,7 +10,7 @@ binds and the remote rank connects. Only rank 0 sends results back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import zmq
 
@@ -34,8 +34,7 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-@dataclass(frozen=True)
-class RankInbox:
+class RankInbox(NamedTuple):
     addr: str
     worker_binds: bool  # else the scheduler binds and the worker connects
 

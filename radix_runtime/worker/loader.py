@@ -103,9 +103,8 @@ def load_model(
             quant.use_fp8_layers(model, device)
             weights = quant.fp8_checkpoint(weights, kv_scales)
         elif scheme["method"] in ("awq", "gptq"):
-            if packed_int4:
-                quant.use_int4_layers(model, device, scheme)
-            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales, packed_int4)
+            packed = packed_int4 and quant.use_int4_layers(model, device, scheme)
+            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales, packed)
             quantization = scheme["method"]
         model.load_weights(weights)
     elif source.kind == "gguf":

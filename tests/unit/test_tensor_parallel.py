@@ -173,3 +173,32 @@ def test_tp_flags_parse_in_sglang_spelling():
         1,
         "10.0.0.1:5000",
     )
+
+
+def test_rendezvous_and_inboxes(tmp_path):
+    """One host: the ranks meet through a file in the private ipc dir (no port) and receive
+    their steps on ipc paths they bind; across hosts: TCP at --dist-init-addr, and a remote
+    rank's steps on PORT+1+rank, bound by the scheduler."""
+    from radix_runtime.utils.tp import local_ranks, rank_inbox, rank_role
+    from radix_runtime.worker.distributed import TPRank
+
+    one = ServerArgs(tp=2)
+    assert TPRank.for_worker(one, 1, str(tmp_path)) == TPRank(
+        1, 2, 1, f"file://{tmp_path}/tp_rendezvous", True
+    )
+    assert [rank_inbox(one, str(tmp_path), r) for r in (0, 1)] == [
+        (f"ipc://{tmp_path}/worker", True), (f"ipc://{tmp_path}/worker1", True),
+    ]  # fmt: skip
+    assert [rank_role(r) for r in (0, 1)] == ["worker", "worker_tp1"]
+    assert not TPRank.for_worker(ServerArgs(), 0, str(tmp_path)).enabled
+
+    node1 = ServerArgs(tp=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert list(local_ranks(node1)) == [2, 3]
+    rank3 = TPRank.for_worker(node1, 3, str(tmp_path))
+    assert (rank3.local_rank, rank3.init_method, rank3.local_only) == (
+        1,
+        "tcp://10.0.0.1:5000",
+        False,
+    )
+    assert rank_inbox(node1, str(tmp_path), 1) == (f"ipc://{tmp_path}/worker1", True)
+    assert rank_inbox(node1, str(tmp_path), 3) == ("tcp://10.0.0.1:5004", False)

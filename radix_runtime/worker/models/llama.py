@@ -30,7 +30,6 @@ from radix_runtime.worker.layers import (
 )
 from radix_runtime.worker.model_config import ModelConfig
 from radix_runtime.worker.models.checkpoint import fused_name, shard_rows, shards_of
-from radix_runtime.worker.quant import Int4Linear
 
 if TYPE_CHECKING:
     from radix_runtime.worker.kernels.ops import FusedOps
@@ -105,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
     # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers) | int4 / awq
     # / gptq (packed Int4Linear layers on CUDA, dequantized weights elsewhere)
     quantization = "none"
+    packed_int4 = False  # some decoder projections are Int4Linear (worker/quant.py)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -155,12 +155,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         # FP8 layers: the GEMV reads their scales; packed int4 ones take the per-projection path;
         # tensor parallelism: the o/down GEMVs' residual-add epilogue would add a partial sum
-        row_ok = not (
-            c.qkv_bias
-            or c.o_bias
-            or c.tp_size > 1
-            or isinstance(layers[0].self_attn.qkv_proj, Int4Linear)
-        )
+        row_ok = not (c.qkv_bias or c.o_bias or c.tp_size > 1 or self.packed_int4)
         if h.shape[0] == 1 and ops.row_fusion and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
