@@ -446,8 +446,12 @@ class ModelRunner:
                 req = pending.reqs[i]
                 # no jump-forward for logprob requests: forced tokens have no model logprob
                 jump = not req.return_logprob and req.top_logprobs_num == 0
-                done, error, forced = self.sampler.grammar_status(req.slot, pending.step, jump)
+                done, error, replaced, forced = self.sampler.grammar_status(
+                    req.slot, pending.step, jump
+                )
                 res.grammar_done, res.grammar_error = done, error
+                if replaced is not None:  # jump-forward re-tokenized the boundary
+                    res.next_id = replaced
                 if forced:
                     res.jump_ids = m.pack_ids(forced)
                 res.logprob = out.logprobs[j]
