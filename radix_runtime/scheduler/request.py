@@ -103,9 +103,6 @@ class Req:
     slot: int | None = None
     sent_pages: int = 0  # how many entries of `pages` the worker's page table already holds
     slot_started: bool = False  # the worker has seen this request in its slot
-    # only while Scheduler.schedule_ahead runs: output_ids[-1] is the token the in-flight step
-    # samples, unknown yet (the worker feeds it from the device: from_last_sample)
-    pending_token: bool = False
 
     # accounting
     arrived_at: float = 0.0  # time.perf_counter() at the scheduler
@@ -148,3 +145,14 @@ class Req:
     @property
     def prefill_only(self) -> bool:
         return self.sampling.max_new_tokens == 0
+
+
+@dataclass
+class PlannedReq:
+    """One row of a step: `num_tokens` of `req` computed from kv_len `start`, then sampled
+    (`sample`) or not (a prefill chunk that does not reach the end)."""
+
+    req: Req
+    num_tokens: int
+    sample: bool
+    start: int = -1  # kv_len the row starts from (set by the planner; checked when processed)

@@ -10,6 +10,7 @@ holds no SchedulerStats at all.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from radix_runtime.messages import (
     CacheTree,
@@ -36,6 +37,26 @@ SCHEDULER_HISTOGRAMS: dict[str, tuple[float, ...]] = {
     "batch_size": BATCH_SIZE_BUCKETS,  # requests in a step
     "step_tokens": STEP_TOKENS_BUCKETS,  # tokens computed in a step
 }
+
+
+@dataclass
+class Counters:
+    """The scheduler's totals since it started (/server_info, /cache_stats), kept with or
+    without --disable-metrics."""
+
+    step_id: int = 0  # batches built
+    prompt_tokens_total: int = 0  # prompt tokens of admitted requests (each counted once)
+    cached_tokens_total: int = 0  # of them, matched in the tree (either tier)
+    decode_steps: int = 0
+    jumped_tokens: int = 0  # output tokens appended by jump-forward (no decode step each)
+    retractions: int = 0
+    integrity_checks: int = 0
+    host_cached_tokens_total: int = 0  # of cached_tokens_total, loaded from the host tier
+    host_recomputed_tokens: int = 0  # host-tier hits computed again (the load did not pay)
+    host_loads: int = 0
+    host_loaded_bytes: int = 0
+    host_written_bytes: int = 0
+    host_load_s: float = 0.0
 
 
 class SchedulerStats:

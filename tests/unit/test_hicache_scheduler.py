@@ -13,6 +13,7 @@ from test_scheduler import VOCAB, Driver, FakeWorker
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.scheduler.kv import KvBook
 from radix_runtime.scheduler.scheduler import Scheduler
 
 
@@ -212,17 +213,17 @@ def test_a_load_that_does_not_pay_is_recomputed():
     """With a link far slower than prefill the cost model recomputes host hits; outputs stay."""
     prompts, arrivals = conversations()
     off, _ = run(prompts, arrivals, hicache=False, disable=True)
-    original = Scheduler._observe_step
+    original = KvBook.observe_step
 
     def slow_link(self, plan, result):
         self.load_bandwidth, self.prefill_tps = 1.0, 1e9  # 1 byte/s against 1e9 tokens/s
         original(self, plan, result)
 
-    Scheduler._observe_step = slow_link
+    KvBook.observe_step = slow_link
     try:
         on, sched = run(prompts, arrivals, hicache=True)
     finally:
-        Scheduler._observe_step = original
+        KvBook.observe_step = original
     assert on == off
     assert sched.host_recomputed_tokens > 0 and sched.host_cached_tokens_total == 0
 

@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 )
 
 from radix_runtime.config import ServerArgs
-from radix_runtime.scheduler import scheduler as scheduler_module
+from radix_runtime.scheduler import kv as scheduler_module  # builds the scheduler's tree
 from radix_runtime.scheduler.allocator import PageAllocator
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.radix_cache import RadixCache

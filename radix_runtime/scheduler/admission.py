@@ -1,0 +1,323 @@
+"""Admission: which waiting requests join the next step, and which must not wait at all.
+
+A request arrives (`add`): refused with a clear error when it cannot ever run (validation),
+held back until the worker compiled its grammar (constrained decoding), else queued. Each step,
+`admit` walks the waiting queue in policy order (policy.py): it matches each request's prompt in
+the radix tree, skips one that shares a long not-yet-cached prefix with a request computing it
+(waiting-for-prefix: it matches the whole prefix once that is cached), locks the match and takes
+pages for its first chunk, keeping the running decoders' next pages free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from radix_runtime.config import ServerArgs
+from radix_runtime.grammar import SCHEDULER_KNOWN_GRAMMARS
+from radix_runtime.messages import (
+    CompileGrammar,
+    GenerateReq,
+    GrammarCompiled,
+    GrammarStats,
+    ReqOutput,
+    unpack_ids,
+)
+from radix_runtime.scheduler.kv import KvBook
+from radix_runtime.scheduler.policy import order_waiting
+from radix_runtime.scheduler.queues import Queues
+from radix_runtime.scheduler.request import PlannedReq, Req, ReqState
+from radix_runtime.scheduler.stats import Counters, SchedulerStats
+
+if TYPE_CHECKING:
+    from radix_runtime.scheduler.planner import Projected
+
+logger = logging.getLogger("radix_runtime.scheduler.scheduler")
+
+# A waiting request that shares at least this many not-yet-cached tokens with a request that is
+# computing them (admitted in this step, still prefilling, or prefilling in the step in flight)
+# waits until they are cached, so the shared prefix is computed once and then matched.
+IN_BATCH_SHARE_THRESHOLD = 32
+
+
+class Admission:
+    def __init__(
+        self,
+        args: ServerArgs,
+        context_length: int,
+        vocab_size: int,
+        kv: KvBook,
+        queues: Queues,
+        counters: Counters,
+        stats: SchedulerStats | None,
+    ):
+        self.args, self.context_length, self.vocab_size = args, context_length, vocab_size
+        self.kv, self.queues, self.counters, self.stats = kv, queues, counters, stats
+        self.cache = kv.cache
+        self.max_running = args.max_running_requests
+        self.arrivals = 0
+        # constrained decoding: a request whose grammar the worker has not compiled yet waits
+        # here (not in `waiting`) until the worker reports it compiled (or invalid)
+        self.grammar_waiting: dict[tuple[str, str], list[Req]] = {}
+        self.known_grammars: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.worker_outbox: list[CompileGrammar] = []  # sent to the worker before the next step
+        self.grammar_requests = self.grammar_hits = self.grammar_compiles = self.grammar_failed = 0
+        self.compile_times: deque[float] = deque(maxlen=1000)  # the latest compiles (seconds)
+
+    # -----------------------------------------------------------------------------------------
+    # requests in
+
+    def add(self, msg: GenerateReq) -> None:
+        outbox = self.queues.outbox
+        if len(msg.input_ids) % 4:
+            # NOTE: not raw int32s, so not from our tokenizer: refuse it rather than crash
+            logger.warning("dropped request %r: input_ids is not an int32 buffer", msg.rid)
+            outbox.append(
+                ReqOutput(
+                    rid=msg.rid,
+                    finish_reason="error",
+                    error="input_ids is not an int32 buffer",
+                    error_code="invalid_request",
+                )
+            )
+            return
+        prompt = unpack_ids(msg.input_ids).copy()
+        error = self.reject_reason(msg, prompt)
+        if error is not None:
+            message, code = error
+            outbox.append(
+                ReqOutput(rid=msg.rid, finish_reason="error", error=message, error_code=code)
+            )
+            return
+        req = Req(
+            rid=msg.rid,
+            prompt=prompt,
+            sampling=msg.sampling,
+            arrival=self.arrivals,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            namespace=msg.cache_namespace or None,
+            arrived_at=time.perf_counter(),
+        )
+        self.arrivals += 1
+        self.queues.reqs[req.rid] = req
+        key = msg.sampling.grammar
+        if key is not None:
+            self.grammar_requests += 1
+        if key is None or key in self.known_grammars:
+            if key is not None:
+                self.known_grammars.move_to_end(key)
+                self.grammar_hits += 1
+            self.queues.waiting.append(req)
+        elif key in self.grammar_waiting:  # compiling now: no compile of its own either
+            self.grammar_waiting[key].append(req)
+            self.grammar_hits += 1
+        else:
+            self.grammar_waiting[key] = [req]
+            self.worker_outbox.append(CompileGrammar(kind=key[0], text=key[1]))
+
+    def reject_reason(self, msg: GenerateReq, prompt: np.ndarray) -> tuple[str, str] | None:
+        if msg.rid in self.queues.reqs:
+            return f"duplicate request id {msg.rid!r}", "duplicate_request_id"
+        if len(prompt) == 0:
+            return "the prompt is empty", "invalid_prompt"
+        if prompt.min() < 0 or prompt.max() >= self.vocab_size:
+            return f"token ids must be in [0, {self.vocab_size})", "invalid_token_id"
+        if len(prompt) >= self.context_length:
+            return (
+                f"the prompt has {len(prompt)} tokens; the context holds {self.context_length}",
+                "context_length_exceeded",
+            )
+        capacity = self.kv.capacity_tokens
+        if len(prompt) + 1 > capacity:
+            return (
+                f"the prompt needs {len(prompt) + 1} tokens of KV cache but the pool holds "
+                f"{capacity} (--max-total-tokens)",
+                "kv_cache_too_small",
+            )
+        return None
+
+    def remove_waiting(self, req: Req) -> None:
+        """An aborted waiting request leaves its queue (its grammar's, while that compiles)."""
+        if req in self.queues.waiting:
+            self.queues.waiting.remove(req)
+        else:
+            self.grammar_waiting[req.sampling.grammar].remove(req)
+
+    # -----------------------------------------------------------------------------------------
+    # grammars: compiled by the worker before their requests may run
+
+    def grammar_compiled(self, msg: GrammarCompiled) -> None:
+        """The worker compiled a grammar: its requests may run, or fail (an invalid grammar)."""
+        key = (msg.kind, msg.text)
+        reqs = self.grammar_waiting.pop(key, [])
+        if not msg.cache_hit:
+            self.grammar_compiles += 1
+            self.compile_times.append(msg.compile_s)
+        live = self.queues.reqs
+        if msg.error is not None:
+            self.grammar_failed += 1
+            for req in reqs:
+                if live.get(req.rid) is req:
+                    out = self.queues.finish(req, "error")
+                    out.error, out.error_code = msg.error, "invalid_grammar"
+                    self.queues.outbox.append(out)
+            return
+        self.known_grammars[key] = None
+        self.known_grammars.move_to_end(key)
+        while len(self.known_grammars) > SCHEDULER_KNOWN_GRAMMARS:
+            self.known_grammars.popitem(last=False)
+        self.queues.waiting.extend(r for r in reqs if live.get(r.rid) is r)
+
+    def take_worker_messages(self) -> list[CompileGrammar]:
+        out, self.worker_outbox = self.worker_outbox, []
+        return out
+
+    def grammar_stats(self) -> GrammarStats | None:
+        if not self.grammar_requests:
+            return None
+        times = sorted(self.compile_times)
+
+        def pct(q: float) -> float:
+            return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
+
+        return GrammarStats(
+            requests=self.grammar_requests,
+            cache_hits=self.grammar_hits,
+            compiles=self.grammar_compiles,
+            failed=self.grammar_failed,
+            compile_p50_s=pct(0.5),
+            compile_p99_s=pct(0.99),
+            compile_max_s=times[-1] if times else 0.0,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # admitting waiting requests into a step
+
+    def admit(
+        self,
+        plan: list[PlannedReq],
+        budget: int,
+        reserve: int,
+        running: list[Projected],
+        shared_with: list[Req] = (),
+    ) -> None:
+        """Admit waiting requests in policy order, next to the `running` requests as the step
+        finds them (planner.py); `reserve` pages stay free for the running decoders' next tokens,
+        so an admission never forces a retraction. A request that shares
+        at least IN_BATCH_SHARE_THRESHOLD not-yet-cached prompt tokens with one that is computing
+        them waits: with a request admitted in this step, with a running request whose prefill is
+        not done (a prefix longer than a chunk is cached chunk by chunk), and with `shared_with`,
+        the requests that had prefill rows in the step still in flight (their KV is not in the
+        tree yet). Then it matches the whole prefix instead of computing it again."""
+        waiting, kv = self.queues.waiting, self.kv
+        if not waiting or budget <= 0:
+            return
+        matches = {}
+        if self.args.schedule_policy == "dfs-weight":
+            # a match may split a tree node: match them all before dfs-weight walks parent links,
+            # or a request reached through a stale link is listed twice
+            matches = {id(r): self.match(r) for r in waiting}
+
+        def ordering_match(r: Req):
+            return matches[id(r)] if matches else self.match(r)
+
+        ordered = order_waiting(
+            self.args.schedule_policy,
+            waiting,
+            match_len=lambda r: ordering_match(r).length,
+            match_node=lambda r: ordering_match(r).node,
+        )
+        computing: list[Req] | None = None  # built once something can be admitted
+        n_running = len(running)
+        for req in ordered:
+            if budget <= 0 or n_running >= self.max_running or not kv.free_slots:
+                break
+            if computing is None:
+                computing = computing_uncached(running, shared_with)
+            match = self.match(req)
+            # NOTE: the C++ tree's matches have no host fields (it has no host tier)
+            host_len = match.host_length if kv.host_allocator is not None else 0
+            if self.shares_uncached_prefix(req, match.length + host_len, computing):
+                continue
+            loaded = kv.lock_match(req, match, budget, reserve)
+            n = min(budget, req.remaining_fill)
+            if not kv.grow_pages(req, req.kv_len + n, reserve):
+                kv.unlock_match(req)
+                break
+            if req.cached_tokens < 0:
+                self._count_admission(req, match.length, host_len, loaded)
+            req.slot = kv.take_slot()
+            req.sent_pages = 0
+            req.state = ReqState.RUNNING
+            waiting.remove(req)
+            self.queues.running.append(req)
+            n_running += 1
+            computing.append(req)
+            sample = req.kv_len + n == req.all_len and not req.prefill_only
+            plan.append(PlannedReq(req, n, sample, start=req.kv_len))
+            budget -= n
+
+    def _count_admission(self, req: Req, matched: int, host_len: int, loaded: int) -> None:
+        """A request's first admission (a retried one is not counted again)."""
+        c = self.counters
+        req.cached_tokens = matched + loaded
+        req.host_cached_tokens = loaded
+        c.prompt_tokens_total += len(req.prompt)
+        c.cached_tokens_total += matched + loaded
+        c.host_cached_tokens_total += loaded
+        if host_len and not loaded:
+            c.host_recomputed_tokens += host_len
+        req.admitted_at = time.perf_counter()
+        if self.stats is not None:
+            self.stats.admitted(
+                len(req.prompt),
+                matched + loaded,
+                req.admitted_at - req.arrived_at,
+                host_cached_tokens=loaded,
+            )
+
+    @staticmethod
+    def match_limit(req: Req) -> int:
+        """How far a match may go: always one token to compute, and the prompt positions whose
+        logprobs were asked for."""
+        limit = req.all_len - 1
+        if req.logprob_start_len >= 0:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return limit
+
+    def match(self, req: Req):
+        """Longest cached prefix within `match_limit`."""
+        return self.cache.match_prefix(req.ids_slice(0, self.match_limit(req)), req.namespace)
+
+    def shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
+        """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
+        of `computing` that it could match once they are cached (so waiting pays off): only one
+        in its own cache namespace, whose prefix it will be able to match."""
+        if self.cache.disable:
+            return False
+        limit = self.match_limit(req)
+        for other in computing:
+            if other.namespace != req.namespace:
+                continue
+            n = min(len(req.prompt), len(other.prompt), limit)
+            if n - cached < IN_BATCH_SHARE_THRESHOLD:
+                continue
+            a, b = req.prompt[cached:n], other.prompt[cached:n]
+            diff = np.flatnonzero(a != b)
+            shared = len(a) if len(diff) == 0 else int(diff[0])
+            if shared >= IN_BATCH_SHARE_THRESHOLD:
+                return True
+        return False
+
+
+def computing_uncached(running: list[Projected], shared_with: list[Req]) -> list[Req]:
+    """The requests computing prompt tokens that are not in the tree yet: `shared_with` and
+    the running requests whose prefill is not done (each once; Req hashes by identity)."""
+    prefilling = (v.req for v in running if not v.is_decoding and v.remaining_fill > 0)
+    return list(dict.fromkeys([*shared_with, *prefilling]))

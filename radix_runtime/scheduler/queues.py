@@ -1,0 +1,63 @@
+"""The scheduler's requests by state, and their moves between states.
+
+WAITING (in `waiting`, or for its grammar in `Admission.grammar_waiting`) -> RUNNING (in
+`running`: holds a slot and pages) -> FINISHED (gone, its last reply in `outbox`). Retraction
+moves a running request back to the front of `waiting` with its pages released. `waiting`, `running` and `reqs`
+are mutated in place, never replaced: the admission and planning parts hold the same lists.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from radix_runtime.messages import ReqOutput
+from radix_runtime.scheduler.kv import KvBook
+from radix_runtime.scheduler.request import Req, ReqState
+from radix_runtime.scheduler.stats import Counters, SchedulerStats
+
+logger = logging.getLogger("radix_runtime.scheduler.scheduler")
+
+
+class Queues:
+    def __init__(self, kv: KvBook, counters: Counters, stats: SchedulerStats | None):
+        self.kv, self.counters, self.stats = kv, counters, stats
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}  # every request not finished, by rid
+        self.outbox: list[ReqOutput] = []  # replies for the tokenizer process, sent after each step
+
+    def finish(self, req: Req, reason: str) -> ReqOutput:
+        """Mark `req` finished (it holds nothing by now) and return its final reply."""
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason
+        self.reqs.pop(req.rid, None)
+        return ReqOutput(
+            rid=req.rid,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt),
+            cached_tokens=max(req.cached_tokens, 0),
+            host_cached_tokens=req.host_cached_tokens,
+        )
+
+    def end(self, req: Req, reason: str) -> ReqOutput:
+        """Finish a running request: its pages go back (`KvBook.release`)."""
+        self.running.remove(req)
+        self.kv.release(req)
+        return self.finish(req, reason)
+
+    def retract(self, req: Req) -> None:
+        """Memory pressure: a running request gives its pages back (its computed KV goes into the
+        tree, so the retry mostly hits the cache) and waits again, in front."""
+        logger.info("retracting %s (%d tokens) under memory pressure", req.rid, req.all_len)
+        self.running.remove(req)
+        self.kv.release(req)
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        self.counters.retractions += 1
+        if self.stats is not None:
+            self.stats.retractions += 1
+        self.waiting.insert(0, req)
+
+    def take_outputs(self) -> list[ReqOutput]:
+        out, self.outbox = self.outbox, []
+        return out
