@@ -37,8 +37,9 @@
 #                    H200, each sizing its KV pool from half the memory; docs/scaling.md), router
 #                    policies cache_aware vs round_robin, token ids -> $OUT/h200_dp_router.json
 #                    (needs sglang-router from bench/fetch_device_wheels.sh)
-#   serving_roofline  issue 21's measurements, about 5 minutes: roofline_worker, then
-#                    roofline_serve:default and roofline_serve:page16:--page-size,16
+#   serving_roofline  issue 21's measurements, about 6 minutes: roofline_worker, then
+#                    roofline_serve:default, roofline_serve:interleave:--max-consecutive-prefill-steps,1
+#                    and roofline_serve:page16:--page-size,16
 #   roofline_worker  bench/gpu_worker.py: decode steps of 256 and 512 requests at 1,536 tokens of
 #                    context against their bandwidth roofline, graph vs eager, host and GPU time by
 #                    phase, at page size 1 and (512 only) 16
@@ -65,7 +66,9 @@ status=0
 stages=()
 for stage in "$@"; do
     if [ "$stage" = serving_roofline ]; then
-        stages+=(roofline_worker roofline_serve:default roofline_serve:page16:--page-size,16)
+        stages+=(roofline_worker roofline_serve:default
+                 roofline_serve:interleave:--max-consecutive-prefill-steps,1
+                 roofline_serve:page16:--page-size,16)
     else
         stages+=("$stage")
     fi

@@ -47,6 +47,9 @@ class ServerArgs:
     chunked_prefill_size: int = 1024
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
     enable_mixed_chunk: bool = False  # decodes ride along with prefill chunks in one batch
+    # prefill-first steps: after this many prefill steps in a row while requests are decoding,
+    # the next step is theirs (0: no cap; docs/serving_roofline.md)
+    max_consecutive_prefill_steps: int = 0
     disable_radix_cache: bool = False
     # one step ahead: the next batch is built and sent while the worker computes this one
     disable_overlap_schedule: bool = False
@@ -121,6 +124,8 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must hold at least one page")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.max_consecutive_prefill_steps < 0:
+            raise ValueError("--max-consecutive-prefill-steps must be >= 0")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be >= --page-size")
         if self.schedule_policy not in ("lpm", "dfs-weight", "fcfs"):
@@ -191,6 +196,9 @@ _HELP = {
     "docs/decisions.md)",
     "schedule_policy": "lpm (longest prefix match), dfs-weight, or fcfs",
     "disable_radix_cache": "same code path, but nothing is reused across requests",
+    "max_consecutive_prefill_steps": "cap on the prefill steps run in a row while requests are "
+    "decoding: after N, a decode step runs, so a burst of prompts stalls every decoder for at "
+    "most N prefill steps (0: no cap, prefill first; ignored with --enable-mixed-chunk)",
     "enable_mixed_chunk": "put decodes and prefill chunks in one batch (default: a step with "
     "prefill work runs only prefills; decode-only steps run as CUDA graphs)",
     "disable_overlap_schedule": "schedule one step at a time (default: the scheduler builds and "

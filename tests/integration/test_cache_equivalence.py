@@ -345,3 +345,21 @@ def test_jump_forward_valid_fewer_steps_and_cache_equivalent(runner_factory):
             jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), LONG_KEYS)
     assert sched.jumped_tokens >= 2 * 10
     assert sched.step_id < plain_sched.step_id
+
+
+def test_prefill_cap_keeps_greedy_outputs(runner_factory):
+    """--max-consecutive-prefill-steps 1 interleaves decode steps into a prefill burst: steps of
+    other shapes, the same greedy tokens with the cache on, off and the overlap schedule."""
+    base = tiny_args()
+    runner = runner_factory(base)
+    prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=7)
+    arrivals = [0, 0] + [2] * (len(prompts) - 2)
+    greedy = m.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    _, free = run(runner, base, prompts, greedy, arrivals)
+    capped = base.replace(max_consecutive_prefill_steps=1)
+    on, sched = run(runner, capped, prompts, greedy, arrivals)
+    assert on == off
+    assert sched.decode_steps > free.decode_steps  # decode steps ran between prefill chunks
+    overlap = capped.replace(disable_overlap_schedule=False)
+    assert run(runner, overlap, prompts, greedy, arrivals)[0] == off
