@@ -211,7 +211,8 @@ def test_hits_after_eviction_and_retraction(runner_factory):
     arrivals = [0] * len(prompts)
     greedy = m.SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
     off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
-    small = base.replace(max_total_tokens=260)
+    # admission reserving only the decoders' next pages (as SGLang's with a low token ratio)
+    small = base.replace(max_total_tokens=260, schedule_conservativeness=0.0)
     small_runner = runner_factory(small)
     on, sched = run(small_runner, small, prompts, greedy, arrivals)
     assert on == off
@@ -265,7 +266,7 @@ def test_constrained_greedy_cache_overlap_and_retraction(runner_factory, kind):
     assert sched.cached_tokens_total > 100
     overlap = base.replace(disable_overlap_schedule=False)
     assert run(runner, overlap, prompts, sampling, arrivals)[0] == off
-    small = base.replace(max_total_tokens=300)
+    small = base.replace(max_total_tokens=300, schedule_conservativeness=0.0)
     small_runner = runner_factory(small)
     for args in (small, small.replace(disable_overlap_schedule=False)):
         pressed, sched = run(small_runner, args, prompts, sampling, [0] * len(prompts))

@@ -296,6 +296,8 @@ def check_pressure_evicts_and_retracts(page_size, mixed, overlap=False):
         max_running=8,
         mixed=mixed,
         overlap=overlap,
+        # admission reserves only the decoders' next pages: the decoders outgrow the pool
+        extra_args={"schedule_conservativeness": 0.0},
     )
     assert on == off
     assert sched.retractions > 0, "a 256-token pool must force retraction"
@@ -318,15 +320,24 @@ def test_pressure_evicts_and_retracts_without_changing_outputs_mixed(page_size, 
 
 
 def decoding_scheduler(
-    n_decoders=2, *, mixed=False, max_running=8, pool_tokens=4096, chunk=64, max_new=40
+    n_decoders=2,
+    *,
+    mixed=False,
+    max_running=8,
+    pool_tokens=4096,
+    chunk=64,
+    max_new=40,
+    conservativeness=1.0,
 ):
-    """A scheduler (and its fake worker) with `n_decoders` requests already decoding."""
+    """A scheduler (and its fake worker) with `n_decoders` requests already decoding
+    (`conservativeness`: --schedule-conservativeness; 0 lets admission outgrow the pool)."""
     args = ServerArgs(
         max_total_tokens=pool_tokens,
         max_running_requests=max_running,
         chunked_prefill_size=chunk,
         radix_tree_impl="python",
         enable_mixed_chunk=mixed,
+        schedule_conservativeness=conservativeness,
     )
     worker = FakeWorker(pool_tokens + 1, 1, max_running)
     sched = Scheduler(args, worker.ready())
@@ -428,7 +439,7 @@ def test_waiting_request_without_memory_does_not_stall_decodes(mixed):
 def drive_decoder_and_long_prompt(pool_tokens, mixed):
     """A decodes while B's 36-token prompt arrives in chunks of 16; returns outputs, batches."""
     sched, worker = decoding_scheduler(
-        1, mixed=mixed, pool_tokens=pool_tokens, chunk=16, max_new=30
+        1, mixed=mixed, pool_tokens=pool_tokens, chunk=16, max_new=30, conservativeness=0.0
     )
     for _ in range(3):
         step(sched, worker)
@@ -786,7 +797,7 @@ def test_stop_finish_caches_no_run_ahead_token(page_size):
 def test_schedule_ahead_falls_back_instead_of_retracting():
     # 2 decoders in a 15-token pool: after two steps and a run-ahead one, the step after the
     # next does not fit next to them (a retraction), so the run-ahead falls back
-    sched, worker = decoding_scheduler(2, pool_tokens=15, max_new=40)
+    sched, worker = decoding_scheduler(2, pool_tokens=15, max_new=40, conservativeness=0.0)
     sched.args = sched.args.replace(disable_overlap_schedule=False)
     fell_back = False
     for _ in range(20):
