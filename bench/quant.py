@@ -1,8 +1,9 @@
-"""Quantized serving on the GPU: bf16 beside FP8 weights (and the FP8 KV cache) in one run.
+"""Quantized serving on the GPU: bf16 beside FP8 and int4 weights (and the FP8 KV cache) in one run.
 
 Drives `ModelRunner` in-process (as bench/gpu_worker.py does, with its `Bench` driver): Llama-3.1-8B
-shape, dummy weights. Per variant (`bf16`; `fp8` = `--quantization fp8`; `fp8_kv` = bf16 weights
-with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
+shape, dummy weights. Per variant (`bf16`; `fp8` = `--quantization fp8`; `int4` = `--quantization
+int4`, packed W4A16 with the Triton int4 GEMV for decode; `fp8_kv` = bf16 weights with
+`--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
 - decode at batch 1 over a 1,024-token context, the worker's overlapped schedule with its CUDA
   graph (`decode_bs1_ms`, tok/s) and the graph replay alone; the weight bytes each step reads over
   that time as a fraction of the read-bandwidth ceiling (`read_TBps`, bench/gpu_worker.py's
@@ -10,11 +11,15 @@ with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
   since its weights have their own size;
 - prefill of 8,192 tokens in one chunk (wall ms);
 - KV bytes per token (the pool's capacity in a fixed memory budget is inversely proportional);
-- the FP8 GEMV's rows per program against the bf16 GEMV on the two largest projections.
-Ratios against bf16 (`*_vs_bf16`) are what the goals are set on: decode FP8 >= 1.8x, prefill 8K
-FP8 >= 1.6x.
+- the FP8 GEMV's rows per program against the bf16 GEMV on the two largest projections, and the
+  int4 GEMV's (BLOCK_N, BLOCK_KW, warps) grid on the four 8B projections against the bf16 GEMV
+  (each timed over distinct weights in one CUDA graph, more than L2 holds).
+Ratios against bf16 (`*_vs_bf16`) are what the goals are set on: decode FP8 >= 1.8x and int4
+>= 3.0x, prefill 8K FP8 >= 1.6x (int4's prefill dequantizes each projection per call: reported,
+not a goal).
 
     python bench/quant.py --out docs/results/h200_quant.json
+    python bench/quant.py --variants bf16,int4 --sweeps int4   # int4 vs bf16 (run_h200.sh int4)
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from radix_runtime.worker.model_runner import ModelRunner
 VARIANTS = {
     "bf16": {},
     "fp8": {"quantization": "fp8"},
+    "int4": {"quantization": "int4"},
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
 }
@@ -121,13 +127,61 @@ def _gemv_case(n: int, k: int) -> dict:
     return case
 
 
+INT4_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
+INT4_CONFIGS = [(bn, bkw, w) for bn in (4, 8, 16) for bkw in (32, 64, 128, 256) for w in (4, 8)]
+
+
+def gemv_int4_sweep(copies_bytes: float = 256e6) -> dict:
+    """The int4 GEMV per (BLOCK_N, BLOCK_KW, warps) on each 8B projection, against the bf16 GEMV
+    on the same shape: us per product and weight TB/s (packed bytes + scales + zeros), best
+    config first. Each variant runs over enough distinct weights to exceed L2, in one graph."""
+    from bench.gemv_sweep import graph_us
+    from radix_runtime.worker.kernels import gemv
+    from radix_runtime.worker.kernels.int4_gemv import int4_gemv, pack_int4_rows
+    from radix_runtime.worker.quant import rtn_int4_parts
+
+    out = {}
+    for n, k in INT4_SHAPES:
+        copies = max(2, int(copies_bytes // (n * k // 2)))
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        packed = []
+        for w in w16:
+            q, z, s, g = rtn_int4_parts(w)
+            packed.append((pack_int4_rows(q), s, z, g))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        bf16_us = graph_us([lambda w=w, x=x: gemv.gemv(x, w) for w in w16])
+        del w16
+        int4_bytes = sum(t.numel() * t.element_size() for t in packed[0][:3])
+        sweep = {}
+        for cfg in INT4_CONFIGS:
+            sweep[cfg] = graph_us([lambda p=p, c=cfg, x=x: int4_gemv(x, *p, c) for p in packed])
+        best = min(sweep, key=sweep.get)
+        default_us = graph_us([lambda p=p, x=x: int4_gemv(x, *p) for p in packed])
+        out[f"{n}x{k}"] = {
+            "bf16_us": bf16_us,
+            "bf16_TBps": 2 * n * k / bf16_us / 1e6,
+            "int4_default_us": default_us,
+            "int4_best_config": list(best),
+            "int4_best_us": sweep[best],
+            "int4_best_TBps": int4_bytes / sweep[best] / 1e6,
+            "int4_best_vs_bf16": bf16_us / sweep[best],
+            "int4_us": {str(list(c)): t for c, t in sorted(sweep.items(), key=lambda kv: kv[1])},
+        }
+        del packed
+        torch.cuda.empty_cache()
+        print("gemv_int4", f"{n}x{k}", {k2: v for k2, v in out[f"{n}x{k}"].items() if k2 != "int4_us"},
+              flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--no-sweep", action="store_true", help="skip the FP8 GEMV block sweep")
+    p.add_argument("--no-sweep", action="store_true", help="skip the FP8 and int4 GEMV sweeps")
+    p.add_argument("--sweeps", default="fp8,int4", help="which GEMV sweeps run (fp8, int4)")
     p.add_argument("--out")
     args = p.parse_args()
     read_tbps = read_bandwidth_TBps()
@@ -138,8 +192,11 @@ def main() -> None:
         "read_TBps": read_tbps,
         "variants": {},
     }
-    if not args.no_sweep:
+    sweeps = set() if args.no_sweep else set(args.sweeps.split(","))
+    if "fp8" in sweeps:
         results["gemv_fp8"] = gemv_fp8_sweep()
+    if "int4" in sweeps:
+        results["gemv_int4"] = gemv_int4_sweep()
     for name in args.variants.split(","):
         results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
         if args.out:  # what was measured so far survives a later failure

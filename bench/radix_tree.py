@@ -8,6 +8,7 @@ and the KV pool holds only a fraction of the trace's distinct tokens, so evictio
     python bench/radix_tree.py                       # defaults: 64 clients x 16 rounds, both
     python bench/radix_tree.py --impl python         # one implementation
     python bench/radix_tree.py --page-size 16 --json out.json
+    python bench/radix_tree.py --host-fraction 1.0   # with the host tier (docs/hicache.md)
 
 Reports ops/s and microseconds per op by prefix-length bucket, the cache hit rate next to the
 optimal (infinite cache) rate of the same trace, and a standalone match of an 8,192-token cached
@@ -27,6 +28,12 @@ trace, the Python tree (the reference) first, and the JSON holds one section per
 implementation (default 5, interleaved: python, cpp, python, ...; a fresh tree each time) and
 `ops_per_s` is the median replay's, with every replay's in `ops_per_s_runs`: one replay takes
 about 0.1 s, so a single one is at the mercy of a busy machine.
+
+With `--host-fraction F` (> 0) both trees run with the host tier (a host pool of F times the
+trace's distinct tokens; `--write-through` for that policy, else write_back): device eviction
+then writes nodes to the host, a match that reaches host-only nodes is loaded back as the
+scheduler does (`load_back`, timed as the op "load"), and the queued copies are taken once per
+request (`take_copies`, the op "copies"). The hit rate then counts both tiers.
 """
 
 from __future__ import annotations
@@ -69,26 +76,34 @@ def _progress_bar(total: int, progress: bool):
     return _NoBar()
 
 
-def make_python(page_size: int, num_pages: int):
+def _host(host_pages: int, write_through: bool) -> dict:
+    from radix_runtime.scheduler.allocator import PageAllocator
+
+    if not host_pages:
+        return {}
+    return {"host_allocator": PageAllocator(host_pages), "write_through": write_through}
+
+
+def make_python(page_size: int, num_pages: int, host_pages: int = 0, write_through: bool = False):
     from radix_runtime.scheduler.allocator import PageAllocator
     from radix_runtime.scheduler.radix_cache import RadixCache
 
     allocator = PageAllocator(num_pages)
-    return allocator, RadixCache(page_size, allocator)
+    return allocator, RadixCache(page_size, allocator, **_host(host_pages, write_through))
 
 
-def make_cpp(page_size: int, num_pages: int):
-    """The C++ tree (csrc/) with the scheduler's Python allocator, the pairing the server runs
+def make_cpp(page_size: int, num_pages: int, host_pages: int = 0, write_through: bool = False):
+    """The C++ tree (csrc/) with the scheduler's Python allocators, the pairing the server runs
     (scheduler/cache.py); ImportError when the extension is not built."""
     from radix_runtime.scheduler.allocator import PageAllocator
     from radix_runtime.scheduler.radix_cache_cpp import CppRadixCache
 
     allocator = PageAllocator(num_pages)
-    return allocator, CppRadixCache(page_size, allocator)
+    return allocator, CppRadixCache(page_size, allocator, **_host(host_pages, write_through))
 
 
-# name -> factory(page_size, num_pages) -> (allocator, cache) with the interface of
-# radix_runtime.scheduler.{allocator,radix_cache}.
+# name -> factory(page_size, num_pages, host_pages=0, write_through=False) -> (allocator, cache)
+# with the interface of radix_runtime.scheduler.{allocator,radix_cache}.
 IMPLS: dict[str, Callable] = {"python": make_python, "cpp": make_cpp}
 
 
@@ -150,6 +165,8 @@ class TraceConfig:
     in_flight: int = 16
     page_size: int = 1
     pool_fraction: float = 0.5  # KV pool size / distinct tokens of the trace
+    host_fraction: float = 0.0  # host pool size / distinct tokens (0: no host tier)
+    write_through: bool = False  # the host tier's write policy (else write_back)
     vocab: int = 32000
     seed: int = 0
 
@@ -166,9 +183,14 @@ class TraceRunner:
         pages_needed = -(-cfg.distinct_tokens() // ps)
         # Never smaller than what the in-flight requests can hold at once (else they get dropped).
         self.num_pages = max(int(pages_needed * cfg.pool_fraction), self._max_in_flight_pages())
-        self.allocator, self.cache = factory(ps, self.num_pages + 1)
+        self.host_pages = int(pages_needed * cfg.host_fraction)
+        self.allocator, self.cache = factory(
+            ps, self.num_pages + 1, self.host_pages + 1 if self.host_pages else 0, cfg.write_through
+        )
         self.times = {"match": OpTimes(), "insert": OpTimes(), "evict": OpTimes()}
-        self.prompt_tokens = self.cached_tokens = self.optimal_tokens = 0
+        if self.host_pages:
+            self.times.update(load=OpTimes(), copies=OpTimes())
+        self.prompt_tokens = self.cached_tokens = self.optimal_tokens = self.host_tokens = 0
         self.evicted_pages = self.dropped = 0
 
     def _max_in_flight_pages(self) -> int:
@@ -212,39 +234,67 @@ class TraceRunner:
         self.times["match"].add(time.perf_counter_ns() - t0, m.length)
         self.prompt_tokens += len(prompt)
         self.cached_tokens += m.length
-        self.cache.lock(m.node)
+        node, owned = m.node, m.pages
+        if self.host_pages and m.host_length:  # load the host run back, as the scheduler does
+            self.cache.lock(m.host_node)
+            got = self._alloc(m.host_length // ps)
+            if got is not None:
+                t0 = time.perf_counter_ns()
+                self.cache.load_back(m.host_node, got)
+                self.times["load"].add(time.perf_counter_ns() - t0, m.host_length)
+                node, owned = m.host_node, np.concatenate([m.pages, got])
+                self.cached_tokens += m.host_length
+                self.host_tokens += m.host_length
+            else:
+                self.cache.unlock(m.host_node)
+        if node is m.node:
+            self.cache.lock(m.node)
         full = np.concatenate([prompt, output])
-        need = -(-len(full) // ps) - len(m.pages)
+        new = self._alloc(-(-len(full) // ps) - len(owned))
+        if self.host_pages:
+            t0 = time.perf_counter_ns()
+            self.cache.take_copies()
+            self.times["copies"].add(time.perf_counter_ns() - t0, 0)
+        if new is None:  # cannot fit even after eviction: drop it (the bench sizes avoid this)
+            self.cache.unlock(node)  # loaded pages belong to the tree already
+            self.dropped += 1
+            return None
+        return full, np.concatenate([owned, new]), len(owned), node
+
+    def _alloc(self, need: int):
+        """`need` pages, evicting (timed) when the pool is short; None if even that fails."""
         new = self.allocator.alloc(need)
         if new is None:
             shortfall = need - self.allocator.free_pages
             t0 = time.perf_counter_ns()
             freed = self.cache.evict(shortfall)
-            self.times["evict"].add(time.perf_counter_ns() - t0, freed * ps)
+            self.times["evict"].add(time.perf_counter_ns() - t0, freed * self.cfg.page_size)
             self.evicted_pages += freed
             new = self.allocator.alloc(need)
-        if new is None:  # cannot fit even after eviction: drop it (the bench sizes avoid this)
-            self.cache.unlock(m.node)
-            self.dropped += 1
-            return None
-        return full, np.concatenate([m.pages, new]), m
+        return new
 
     def _finish(self, request) -> np.ndarray:
-        full, pages, m = request
+        full, pages, own, node = request
         ps = self.cfg.page_size
         whole = len(full) // ps
         key, key_pages = full[: whole * ps], pages[:whole]
         t0 = time.perf_counter_ns()
         r = self.cache.insert(key, key_pages)
         self.times["insert"].add(time.perf_counter_ns() - t0, whole * ps)
-        own = len(m.pages)
         self.allocator.free(np.concatenate([pages[own : r.prefix_len // ps], pages[whole:]]))
-        self.cache.unlock(m.node)
+        self.cache.unlock(node)
         return full
 
     def report(self) -> dict:
+        tier = {}
+        if self.host_pages:
+            tier = {
+                "host_pages": self.host_pages,
+                "host_hit_rate": self.host_tokens / max(1, self.prompt_tokens),
+            }
         return {
             "num_pages": self.num_pages,
+            **tier,
             "hit_rate": self.cached_tokens / max(1, self.prompt_tokens),
             "optimal_hit_rate": self.optimal_tokens / max(1, self.prompt_tokens),
             "evicted_pages": self.evicted_pages,
@@ -308,6 +358,12 @@ def print_report(impl: str, cfg: TraceConfig, trace: dict, micro: dict, wall_s: 
         f"{trace['optimal_hit_rate']:.1%}); evicted {trace['evicted_pages']} pages; "
         f"dropped {trace['dropped_requests']} requests"
     )
+    if "host_pages" in trace:
+        print(
+            f"host tier: {trace['host_pages']} pages ({cfg.host_fraction:.0%} of distinct tokens), "
+            f"{'write_through' if cfg.write_through else 'write_back'}; "
+            f"{trace['host_hit_rate']:.1%} of prompt tokens loaded from the host"
+        )
     header = (
         f"{'op':<8}{'bucket':<13}{'count':>7}{'ops/s':>12}{'mean us':>10}{'p50 us':>9}{'p99 us':>9}"
     )
@@ -380,7 +436,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="both: python then cpp on the same trace, with the speedup (default)",
     )
     for f in TraceConfig.__dataclass_fields__.values():
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+        name = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            p.add_argument(name, action="store_true")
+        else:
+            p.add_argument(name, type=type(f.default), default=f.default)
     p.add_argument("--reps", type=int, default=2000, help="repetitions of the standalone match")
     p.add_argument(
         "--repeats",

@@ -17,6 +17,8 @@
 #   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
 #              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
+#   int4       bench/quant.py: bf16 and packed int4 (W4A16, the Triton int4 GEMV) decode at batch 1
+#              and prefill 8K in one run, the int4 GEMV block sweep -> $OUT/h200_quant_int4.json
 #   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
@@ -125,6 +127,9 @@ for stage in "${stages[@]}"; do
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
+        int4)
+            timeout 420 python3 bench/quant.py --variants bf16,int4 --sweeps int4 \
+                --out "$OUT/h200_quant_int4.json" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
                 --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \

@@ -134,7 +134,7 @@ def run(impl: str, cfg: StepConfig) -> dict:
         sched.allocator.free(pages[len(match.pages) : res.prefix_len // ps])
         histories.append(history)
     timer = CacheTimer(sched.cache)
-    sched.cache = timer
+    sched.kv.cache = timer
 
     prompts: dict[str, np.ndarray] = {}
     answers: dict[str, list[int]] = {}
@@ -184,7 +184,7 @@ def run(impl: str, cfg: StepConfig) -> dict:
                 history = np.concatenate([prompts.pop(out.rid), answers.pop(out.rid)])
                 finished += step >= cfg.warmup
                 arrive(conv, history.astype(np.int32))
-    sched.cache = timer._cache
+    sched.kv.cache = timer._cache
     ns = np.asarray(step_ns, dtype=np.float64)
     tree = np.asarray(tree_ns, dtype=np.float64)
     return {

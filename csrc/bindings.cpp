@@ -222,6 +222,19 @@ PyObject* node_get_key(PyObject* self, void*) {
         return to_array(n.key(), static_cast<size_t>(n.key_len())).release().ptr();
     });
 }
+PyObject* node_get_host_pages(PyObject* self, void*) {
+    return guarded([&]() -> PyObject* {
+        const Node& n = self_node(self);
+        if (!n.on_host) Py_RETURN_NONE;
+        return to_array(n.host_pages).release().ptr();
+    });
+}
+PyObject* node_get_dev_children(PyObject* self, void*) {
+    return PyLong_FromLongLong(self_node(self).dev_children);
+}
+PyObject* node_get_on_device(PyObject* self, void*) {
+    return PyBool_FromLong(self_node(self).on_device());
+}
 PyObject* node_get_pages(PyObject* self, void*) {
     return guarded([&] {
         const Node& n = self_node(self);
@@ -285,10 +298,44 @@ PyGetSetDef node_getset[] = {
      nullptr},
     {"lock_ref", node_get_lock_ref, node_set_lock_ref, nullptr, nullptr},
     {"namespace", node_get_namespace, nullptr, "a namespace node's name, else None", nullptr},
+    {"host_pages", node_get_host_pages, nullptr,
+     "the host tier's page ids (a read-only copy), None when not on the host", nullptr},
+    {"dev_children", node_get_dev_children, nullptr, "children on the device", nullptr},
+    {"on_device", node_get_on_device, nullptr, "whether the KV is on the device", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
 // ------------------------------------------------------------------------------- the tree
+
+// The host tier's pool as the tree sees it: the C++ allocator, or any object with the Python
+// allocator's interface (free_pages, alloc(n) -> ids or None, free(ids)).
+struct CppPool final : radix::PagePool {
+    PageAllocator& a;
+    explicit CppPool(PageAllocator& alloc) : a(alloc) {}
+    int64_t free_pages() override { return a.free_pages(); }
+    bool alloc(int64_t n, std::vector<int32_t>& out) override {
+        if (n > a.free_pages()) return false;
+        out.resize(static_cast<size_t>(n));
+        return a.alloc(n, out.data());
+    }
+    void free(const int32_t* pages, int64_t n) override { a.free(pages, n); }
+};
+
+struct PyPool final : radix::PagePool {
+    PyObject* obj;  // borrowed: the PyTree holds the reference
+    explicit PyPool(PyObject* o) : obj(o) {}
+    int64_t free_pages() override { return py::handle(obj).attr("free_pages").cast<int64_t>(); }
+    bool alloc(int64_t n, std::vector<int32_t>& out) override {
+        py::object got = py::handle(obj).attr("alloc")(n);
+        if (got.is_none()) return false;
+        Int32View ids(got);
+        out.assign(ids.data, ids.data + ids.size);
+        return true;
+    }
+    void free(const int32_t* pages, int64_t n) override {
+        py::handle(obj).attr("free")(to_array(pages, static_cast<size_t>(n)));
+    }
+};
 
 struct PyTree {
     PyObject_HEAD
@@ -299,6 +346,8 @@ struct PyTree {
     PageAllocator* cpp_allocator;
     std::vector<Node*>* path;          // scratch
     std::vector<int32_t>* released;  // scratch
+    PyObject* host_allocator;        // the host tier's pool object, or nullptr
+    radix::PagePool* host_pool;      // its adapter (owned)
 };
 
 PyTypeObject TreeType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -306,12 +355,14 @@ PyTypeObject TreeType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 PyTree& self_tree(PyObject* self) { return *reinterpret_cast<PyTree*>(self); }
 
 int tree_init(PyObject* self, PyObject* args, PyObject* kwargs) {
-    static const char* names[] = {"page_size", "match_type", "insert_type", "allocator",
-                                  nullptr};
+    static const char* names[] = {"page_size",      "match_type",    "insert_type", "allocator",
+                                  "host_allocator", "write_through", nullptr};
     int page_size;
-    PyObject *match_type, *insert_type, *allocator = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO|O", const_cast<char**>(names),
-                                     &page_size, &match_type, &insert_type, &allocator))
+    int write_through = 0;
+    PyObject *match_type, *insert_type, *allocator = Py_None, *host_allocator = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO|OOp", const_cast<char**>(names),
+                                     &page_size, &match_type, &insert_type, &allocator,
+                                     &host_allocator, &write_through))
         return -1;
     PyTree& t = self_tree(self);
     if (t.tree) {
@@ -334,14 +385,39 @@ int tree_init(PyObject* self, PyObject* args, PyObject* kwargs) {
         if (!ok) return -1;
         Py_DECREF(ok);
     }
+    radix::PagePool* host_pool = nullptr;
+    if (host_allocator != Py_None) {
+        PyObject* ok = guarded([&] {
+            PageAllocator* cpp_host = nullptr;
+            try {
+                cpp_host = py::cast<PageAllocator*>(py::handle(host_allocator));
+            } catch (const py::cast_error&) {
+            }
+            if (cpp_host)
+                host_pool = new CppPool(*cpp_host);
+            else
+                host_pool = new PyPool(host_allocator);
+            Py_RETURN_NONE;
+        });
+        if (!ok) return -1;
+        Py_DECREF(ok);
+    }
     PyObject* ok = guarded([&] {
-        t.tree = new Tree(page_size);
+        t.tree = new Tree(page_size, host_pool, write_through != 0);
         t.path = new std::vector<Node*>();
         t.released = new std::vector<int32_t>();
         Py_RETURN_NONE;
     });
-    if (!ok) return -1;
+    if (!ok) {
+        delete host_pool;
+        return -1;
+    }
     Py_DECREF(ok);
+    if (host_pool) {
+        Py_INCREF(host_allocator);
+        t.host_allocator = host_allocator;
+        t.host_pool = host_pool;
+    }
     Py_INCREF(match_type);
     Py_INCREF(insert_type);
     t.match_type = match_type;
@@ -359,6 +435,8 @@ void tree_dealloc(PyObject* self) {
     delete t.tree;  // node handles still alive keep their (detached) nodes
     delete t.path;
     delete t.released;
+    delete t.host_pool;
+    Py_XDECREF(t.host_allocator);
     Py_XDECREF(t.match_type);
     Py_XDECREF(t.insert_type);
     Py_XDECREF(t.allocator);
@@ -396,24 +474,27 @@ PyObject* tree_match_prefix(PyObject* self, PyObject* const* args, Py_ssize_t na
     PyTree& t = self_tree(self);
     return guarded([&]() -> PyObject* {
         Int32View view(args[0]);
-        int64_t length = 0;
         std::vector<Node*>& path = *t.path;
-        Node* node = tree->match_prefix(view.data, view.size, path, length, ns_ptr);
+        const radix::Match m = tree->match_prefix(view.data, view.size, path, ns_ptr);
         int32_t* out;
-        py::array pages = new_int32_array(length / tree->page_size(), &out);
-        for (const Node* n : path) {
+        py::array pages = new_int32_array(m.length / tree->page_size(), &out);
+        for (const Node* n : path) {  // host-only nodes hold no device pages
             std::memcpy(out, n->pages(), sizeof(int32_t) * n->num_pages());
             out += n->num_pages();
         }
         make_read_only(pages);
-        PyObject* len = PyLong_FromLongLong(length);
-        PyObject* h = handle(node);
-        if (!len || !h) {
+        PyObject* len = PyLong_FromLongLong(m.length);
+        PyObject* h = handle(m.node);
+        PyObject* host_len = PyLong_FromLongLong(m.host_length);
+        PyObject* host_h = handle(m.host_node);
+        if (!len || !h || !host_len || !host_h) {
             Py_XDECREF(len);
             Py_XDECREF(h);
+            Py_XDECREF(host_len);
+            Py_XDECREF(host_h);
             return nullptr;
         }
-        return new_namedtuple(t.match_type, {pages.release().ptr(), len, h});
+        return new_namedtuple(t.match_type, {pages.release().ptr(), len, h, host_len, host_h});
     });
 }
 
@@ -469,7 +550,9 @@ bool int_arg(PyObject* o, int64_t* out) {
     return true;
 }
 
-// evict(num_pages) -> (freed, pages): the caller returns the pages to its allocator.
+// evict(num_pages) -> (freed, pages, dropped): the caller returns `pages` (every device page
+// freed) to its allocator; `dropped` holds those of the nodes that left the tree (None when none
+// did), for the eviction observer.
 PyObject* tree_evict(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     int64_t num_pages;
     if (!check_nargs("evict", nargs, 1) || !int_arg(args[0], &num_pages)) return nullptr;
@@ -478,9 +561,81 @@ PyObject* tree_evict(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     PyTree& t = self_tree(self);
     return guarded([&] {
         t.released->clear();
-        const int64_t freed = tree->evict(num_pages, *t.released);
-        return py::make_tuple(freed, to_array(*t.released)).release().ptr();
+        std::vector<int32_t> dropped;
+        bool any_dropped = false;
+        const int64_t freed = tree->evict(num_pages, *t.released, &dropped, &any_dropped);
+        py::object gone = any_dropped ? py::object(to_array(dropped)) : py::object(py::none());
+        return py::make_tuple(freed, to_array(*t.released), gone).release().ptr();
     });
+}
+
+// evict_host(num_pages) -> freed host pages (they go back to the host pool).
+PyObject* tree_evict_host(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    int64_t num_pages;
+    if (!check_nargs("evict_host", nargs, 1) || !int_arg(args[0], &num_pages)) return nullptr;
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    return guarded([&] {
+        if (!tree->has_host()) throw std::runtime_error("the tree has no host tier");
+        return PyLong_FromLongLong(tree->evict_host(num_pages));
+    });
+}
+
+// load_back(node, pages) -> tokens loaded
+PyObject* tree_load_back(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!check_nargs("load_back", nargs, 2)) return nullptr;
+    Tree* tree = tree_of(self);
+    Node* node = tree ? node_arg(args[0]) : nullptr;
+    if (!node) return nullptr;
+    return guarded([&] {
+        if (!tree->has_host()) throw std::runtime_error("the tree has no host tier");
+        Int32View pages(args[1]);
+        return PyLong_FromLongLong(tree->load_back(node, pages.data, pages.size));
+    });
+}
+
+py::list copies_list(const std::vector<radix::Copy>& copies) {
+    py::list out;
+    for (const radix::Copy& c : copies) out.append(py::make_tuple(to_array(c.src), to_array(c.dst)));
+    return out;
+}
+
+// take_copies() -> ([(src, dst)] writes, [(src, dst)] loads, writes_block)
+PyObject* tree_take_copies(PyObject* self, PyObject*) {
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    return guarded([&] {
+        std::vector<radix::Copy> writes, loads;
+        bool block = false;
+        tree->take_copies(writes, loads, block);
+        return py::make_tuple(copies_list(writes), copies_list(loads), block).release().ptr();
+    });
+}
+
+// take_tier_events() -> [(kind, src, dst or None)], recorded while record_tier_events(True)
+PyObject* tree_take_tier_events(PyObject* self, PyObject*) {
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    return guarded([&] {
+        static const char* kinds[] = {"offloaded", "loaded", "evicted_host"};
+        py::list out;
+        for (const radix::TierEvent& e : tree->take_tier_events()) {
+            py::object dst = e.kind == radix::TierEvent::kEvictedHost
+                                 ? py::object(py::none())
+                                 : py::object(to_array(e.dst));
+            out.append(py::make_tuple(kinds[e.kind], to_array(e.src), dst));
+        }
+        return out.release().ptr();
+    });
+}
+
+PyObject* tree_record_tier_events(PyObject* self, PyObject* arg) {
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return nullptr;
+    tree->record_tier_events(on != 0);
+    Py_RETURN_NONE;
 }
 
 // evict_into(num_pages) -> freed: the pages go straight back to the C++ allocator that the
@@ -557,6 +712,18 @@ PyObject* tree_all_pages(PyObject* self, PyObject*) {
     });
 }
 
+// Every host page held by a node, in node order.
+PyObject* tree_all_host_pages(PyObject* self, PyObject*) {
+    Tree* tree = tree_of(self);
+    if (!tree) return nullptr;
+    return guarded([&] {
+        std::vector<int32_t> pages;
+        for (const Node* node : tree->nodes())
+            pages.insert(pages.end(), node->host_pages.begin(), node->host_pages.end());
+        return to_array(pages).release().ptr();
+    });
+}
+
 PyObject* tree_debug_clear_heap(PyObject* self, PyObject*) {
     Tree* tree = tree_of(self);
     if (!tree) return nullptr;
@@ -574,7 +741,7 @@ PyObject* tree_debug_add_evictable(PyObject* self, PyObject* arg) {
 
 PyMethodDef tree_methods[] = {
     {"match_prefix", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_match_prefix)),
-     METH_FASTCALL | METH_KEYWORDS, "match_prefix(tokens, namespace=None) -> match_type(pages, length, node)"},
+     METH_FASTCALL | METH_KEYWORDS, "match_prefix(tokens, namespace=None) -> match_type(pages, length, node, host_length, host_node)"},
     {"insert", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_insert)),
      METH_FASTCALL | METH_KEYWORDS, "insert(tokens, pages, namespace=None) -> insert_type(prefix_len, node)"},
     {"lock", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_lock)),
@@ -585,7 +752,17 @@ PyMethodDef tree_methods[] = {
      METH_FASTCALL, "evict(num_pages) -> (freed, pages): the caller frees the pages"},
     {"evict_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_evict_into)),
      METH_FASTCALL, "evict_into(num_pages) -> freed, into the tree's C++ allocator"},
-    {"reset", tree_reset, METH_NOARGS, "drop every node -> the pages to free"},
+    {"evict_host", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_evict_host)),
+     METH_FASTCALL, "evict_host(num_pages) -> freed host pages"},
+    {"load_back", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_load_back)),
+     METH_FASTCALL, "load_back(node, pages) -> tokens loaded"},
+    {"take_copies", tree_take_copies, METH_NOARGS,
+     "take_copies() -> (writes, loads, writes_block), copies as (src, dst) pairs"},
+    {"take_tier_events", tree_take_tier_events, METH_NOARGS,
+     "the tier events recorded since the last call: [(kind, src, dst or None)]"},
+    {"record_tier_events", tree_record_tier_events, METH_O, "record_tier_events(on)"},
+    {"all_host_pages", tree_all_host_pages, METH_NOARGS, "every host page id, in node order"},
+    {"reset", tree_reset, METH_NOARGS, "drop every node -> the device pages to free"},
     {"reset_into", tree_reset_into, METH_NOARGS, "drop every node, freeing into the allocator"},
     {"check_integrity",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&tree_check_integrity)),
@@ -607,6 +784,9 @@ TREE_INT_GETTER(evictable_pages, tree->evictable_pages())
 TREE_INT_GETTER(protected_pages, tree->protected_pages())
 TREE_INT_GETTER(num_nodes, tree->num_nodes())
 TREE_INT_GETTER(heap_size, static_cast<long long>(tree->heap_size()))
+TREE_INT_GETTER(host_cached_pages, tree->host_cached_pages())
+TREE_INT_GETTER(host_evictable_pages, tree->host_evictable_pages())
+TREE_INT_GETTER(host_heap_size, static_cast<long long>(tree->host_heap_size()))
 #undef TREE_INT_GETTER
 
 PyObject* tree_get_root(PyObject* self, void*) {
@@ -621,6 +801,9 @@ PyGetSetDef tree_getset[] = {
     {"protected_pages", tree_get_protected_pages, nullptr, nullptr, nullptr},
     {"num_nodes", tree_get_num_nodes, nullptr, nullptr, nullptr},
     {"heap_size", tree_get_heap_size, nullptr, nullptr, nullptr},
+    {"host_cached_pages", tree_get_host_cached_pages, nullptr, nullptr, nullptr},
+    {"host_evictable_pages", tree_get_host_evictable_pages, nullptr, nullptr, nullptr},
+    {"host_heap_size", tree_get_host_heap_size, nullptr, nullptr, nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -679,8 +862,10 @@ PYBIND11_MODULE(_radix_tree, m) {
     TreeType.tp_basicsize = sizeof(PyTree);
     TreeType.tp_flags = Py_TPFLAGS_DEFAULT;
     TreeType.tp_doc =
-        "RadixTree(page_size, match_type, insert_type, allocator=None): the C++ radix tree; "
-        "`allocator`, a C++ PageAllocator, is where evict_into / reset_into free pages";
+        "RadixTree(page_size, match_type, insert_type, allocator=None, host_allocator=None, "
+        "write_through=False): the C++ radix tree; `allocator`, a C++ PageAllocator, is where "
+        "evict_into / reset_into free pages; `host_allocator` (a C++ or Python allocator) is the "
+        "host tier's pool";
     TreeType.tp_new = PyType_GenericNew;
     TreeType.tp_init = tree_init;
     TreeType.tp_dealloc = tree_dealloc;

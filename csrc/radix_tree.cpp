@@ -123,14 +123,18 @@ std::string Node::repr() const {
         return "TreeNode(id=" + std::to_string(id) + ", namespace='" + *ns +
                "', lock_ref=" + std::to_string(lock_ref) +
                ", last_access=" + std::to_string(last_access) + ")";
+    const std::string host =
+        on_host ? ", host_pages=" + std::to_string(host_pages.size()) : std::string();
     return "TreeNode(id=" + std::to_string(id) + ", tokens=" + std::to_string(key_len_) +
-           ", pages=" + std::to_string(num_pages_) + ", lock_ref=" + std::to_string(lock_ref) +
+           ", pages=" + std::to_string(num_pages_) + host +
+           ", lock_ref=" + std::to_string(lock_ref) +
            ", last_access=" + std::to_string(last_access) + ")";
 }
 
 // ------------------------------------------------------------------------------- the tree
 
-Tree::Tree(int32_t page_size) : page_size_(page_size) {
+Tree::Tree(int32_t page_size, PagePool* host, bool write_through)
+    : page_size_(page_size), host_(host), write_through_(write_through && host != nullptr) {
     if (page_size < 1)
         throw std::invalid_argument("page_size must be >= 1, got " + std::to_string(page_size));
     new_tree();
@@ -145,6 +149,9 @@ void Tree::new_tree() {
     evictable_ = protected_ = num_nodes_ = 0;
     heap_.clear();
     heap_limit_ = 1024;
+    host_heap_.clear();
+    host_heap_limit_ = 1024;
+    host_cached_ = host_evictable_ = 0;
 }
 
 // NOTE: a long chain of nodes would destroy itself recursively (each shared_ptr's destructor
@@ -167,6 +174,7 @@ void Tree::dismantle() {
     root_->children.clear();
     root_->namespaces.reset();
     heap_.clear();
+    host_heap_.clear();
 }
 
 // ------------------------------------------------------------------------- match / insert
@@ -187,24 +195,34 @@ Node* Tree::namespace_node(const std::string* ns, bool create) {
     node->order = root->next_child_order++;
     Node* raw = node.get();
     (*root->namespaces)[*ns] = std::move(node);
+    ++root->dev_children;
     ++num_nodes_;
     return raw;
 }
 
 void Tree::tick_root() { root_->last_access = ++clock_; }
 
-Node* Tree::match_prefix(const int32_t* tokens, int64_t n, std::vector<Node*>& path,
-                         int64_t& length, const std::string* ns) {
+Match Tree::match_prefix(const int32_t* tokens, int64_t n, std::vector<Node*>& path,
+                         const std::string* ns) {
     path.clear();
     Node* start = namespace_node(ns, false);
     if (!start) {
         tick_root();
-        length = 0;
-        return root_.get();
+        return {root_.get(), 0, nullptr, 0};
     }
+    int64_t length = 0;
     Node* node = walk(start, tokens, n / page_size_, &path, length);
     push_if_evictable_leaf(node);
-    return node;
+    if (!host_ || node->on_device()) return {node, length, node, 0};
+    // the match ends on the host: the device run is the path's nodes that hold pages
+    push_host_leaf(node);
+    Node* dev = node;
+    while (!dev->on_device()) dev = dev->parent;
+    push_if_evictable_leaf(dev);
+    int64_t dev_len = 0;
+    for (const Node* p : path) dev_len += p->num_pages();
+    dev_len *= page_size_;
+    return {dev, dev_len, node, length - dev_len};
 }
 
 Node* Tree::insert(const int32_t* tokens, int64_t n, const int32_t* pages, int64_t num_pages,
@@ -221,22 +239,196 @@ Node* Tree::insert(const int32_t* tokens, int64_t n, const int32_t* pages, int64
         prefix_len = 0;
         return root_.get();
     }
-    Node* node = walk(start, tokens, want, nullptr, prefix_len);
-    if (prefix_len < want * ps) {
+    int64_t walked = 0;
+    Node* node = walk(start, tokens, want, nullptr, walked);
+    prefix_len = walked;
+    if (!node->on_device()) {
+        // the walk ran on into host-only nodes: they take the caller's pages (its KV is the
+        // same) and count as new, so the caller keeps them instead of freeing duplicates
+        prefix_len = walked - to_device(node, pages, walked / ps, false, false);
+    }
+    if (walked < want * ps) {
         NodePtr leaf = new_node();
-        leaf->set_edge(tokens + prefix_len, want * ps - prefix_len, pages + prefix_len / ps,
-                       want - prefix_len / ps);
+        leaf->set_edge(tokens + walked, want * ps - walked, pages + walked / ps,
+                       want - walked / ps);
         leaf->parent = node;
         leaf->last_access = clock_;
         leaf->order = node->next_child_order++;
         Node* raw = leaf.get();
         node->children.add(hash_of(raw->key()), std::move(leaf));
+        ++node->dev_children;
         ++num_nodes_;
         evictable_ += raw->num_pages();
         node = raw;
+        if (write_through_) write_to_host(raw);
     }
     push_if_evictable_leaf(node);
     return node;
+}
+
+// ---------------------------------------------------------------------------- the host tier
+
+std::vector<Node*> Tree::host_only_path(Node* node) const {
+    std::vector<Node*> path;
+    for (; !node->on_device(); node = node->parent) path.push_back(node);
+    std::reverse(path.begin(), path.end());
+    return path;
+}
+
+int64_t Tree::load_back(Node* node, const int32_t* pages, int64_t num_pages) {
+    if (node->lock_ref <= 0)
+        throw std::runtime_error("load_back of an unlocked node " + node->repr());
+    int64_t want = 0;
+    for (const Node* n : host_only_path(node)) want += static_cast<int64_t>(n->host_pages.size());
+    if (num_pages != want)
+        throw std::invalid_argument("the host-only path to " + node->repr() + " needs " +
+                                    std::to_string(want) + " pages, got " +
+                                    std::to_string(num_pages));
+    return to_device(node, pages, num_pages, true, true);
+}
+
+int64_t Tree::to_device(Node* node, const int32_t* pages, int64_t num_pages, bool copy,
+                        bool tail) {
+    const std::vector<Node*> path = host_only_path(node);
+    int64_t total = 0;
+    for (const Node* n : path) total += static_cast<int64_t>(n->host_pages.size());
+    int64_t off = tail ? 0 : num_pages - total;
+    for (Node* n : path) {
+        const int64_t k = static_cast<int64_t>(n->host_pages.size());
+        n->set_pages(pages + off, k);
+        off += k;
+        ++n->parent->dev_children;
+        if (n->lock_ref) {
+            protected_ += k;
+        } else {
+            evictable_ += k;
+            host_evictable_ -= k;
+        }
+        if (copy) loads_.push_back({n->host_pages, std::vector<int32_t>(n->pages(), n->pages() + k)});
+        tier_event(TierEvent::kLoaded, n->host_pages.data(), k, n->pages());
+    }
+    for (Node* n : path) push_if_evictable_leaf(n);
+    return total * page_size_;
+}
+
+bool Tree::write_to_host(Node* node) {
+    if (node->on_host) return true;
+    const int64_t n = node->num_pages();
+    if (host_->free_pages() < n) evict_host(n - host_->free_pages());
+    std::vector<int32_t> got;
+    if (!host_->alloc(n, got)) return false;
+    node->host_pages = std::move(got);
+    node->on_host = true;
+    host_cached_ += n;
+    writes_.push_back({std::vector<int32_t>(node->pages(), node->pages() + n), node->host_pages});
+    return true;
+}
+
+void Tree::take_copies(std::vector<Copy>& writes, std::vector<Copy>& loads, bool& writes_block) {
+    writes_block = writes_block_ && !writes_.empty();
+    writes = std::move(writes_);
+    loads = std::move(loads_);
+    writes_.clear();
+    loads_.clear();
+    writes_block_ = false;
+}
+
+void Tree::tier_event(TierEvent::Kind kind, const int32_t* src, int64_t n, const int32_t* dst) {
+    if (!record_tier_) return;
+    tier_events_.push_back({kind, std::vector<int32_t>(src, src + n),
+                            dst ? std::vector<int32_t>(dst, dst + n) : std::vector<int32_t>()});
+}
+
+void Tree::push_host_leaf(Node* node) {
+    if (!node->children.empty() || node->lock_ref || node->on_device() || !node->parent) return;
+    if (node->host_heap_time == node->last_access) return;
+    node->host_heap_time = node->last_access;
+    host_heap_.push_back({node->last_access, node->id, node->shared_from_this()});
+    std::push_heap(host_heap_.begin(), host_heap_.end(), Later{});
+    if (host_heap_.size() > host_heap_limit_) {
+        std::vector<HeapEntry> live;
+        for (auto& entry : host_heap_) {
+            if (host_entry_is_live(entry))
+                live.push_back(std::move(entry));
+            else if (entry.time == entry.node->host_heap_time)
+                entry.node->host_heap_time = -1;
+        }
+        std::make_heap(live.begin(), live.end(), Later{});
+        host_heap_ = std::move(live);
+        host_heap_limit_ = std::max<size_t>(1024, 2 * host_heap_.size());
+    }
+}
+
+bool Tree::host_entry_is_live(const HeapEntry& e) {
+    const Node* node = e.node.get();
+    return e.time == node->last_access && node->lock_ref == 0 && node->children.empty() &&
+           node->parent != nullptr && !node->on_device();
+}
+
+int64_t Tree::evict_host(int64_t num_pages) {
+    int64_t freed = 0;
+    std::vector<int32_t> released;
+    while (freed < num_pages && !host_heap_.empty()) {
+        std::pop_heap(host_heap_.begin(), host_heap_.end(), Later{});
+        HeapEntry entry = std::move(host_heap_.back());
+        host_heap_.pop_back();
+        Node* node = entry.node.get();
+        if (entry.time == node->host_heap_time) node->host_heap_time = -1;
+        if (!host_entry_is_live(entry)) continue;
+        Node* parent = node->parent;
+        unlink(node);  // `entry` keeps the node alive
+        node->parent = nullptr;
+        --num_nodes_;
+        const int64_t k = static_cast<int64_t>(node->host_pages.size());
+        host_evictable_ -= k;
+        host_cached_ -= k;
+        freed += k;
+        released.insert(released.end(), node->host_pages.begin(), node->host_pages.end());
+        push_host_leaf(parent);
+        push_if_evictable_leaf(parent);  // a namespace node may now be empty
+    }
+    if (!released.empty()) {
+        host_->free(released.data(), static_cast<int64_t>(released.size()));
+        tier_event(TierEvent::kEvictedHost, released.data(),
+                   static_cast<int64_t>(released.size()), nullptr);
+    }
+    return freed;
+}
+
+void Tree::remove(Node* node) {
+    Node* parent = node->parent;
+    NodePtr keep = node->shared_from_this();
+    unlink(node);
+    node->parent = nullptr;
+    --parent->dev_children;
+    --num_nodes_;
+    std::vector<int32_t> host;
+    if (node->on_host) {
+        host_cached_ -= static_cast<int64_t>(node->host_pages.size());
+        host.insert(host.end(), node->host_pages.begin(), node->host_pages.end());
+    }
+    // NOTE: the subtree's nodes are detached one by one (no recursive destruction)
+    std::vector<NodePtr> subtree;
+    std::vector<Node*> stack = node->ordered_children();
+    while (!stack.empty()) {
+        Node* n = stack.back();
+        stack.pop_back();
+        for (Node* c : n->ordered_children()) stack.push_back(c);
+        subtree.push_back(n->shared_from_this());
+        n->parent = nullptr;
+        --num_nodes_;
+        const int64_t k = static_cast<int64_t>(n->host_pages.size());
+        host_cached_ -= k;
+        host_evictable_ -= k;
+        host.insert(host.end(), n->host_pages.begin(), n->host_pages.end());
+    }
+    node->children.clear();
+    for (auto& n : subtree) n->children.clear();
+    if (!host.empty()) {
+        host_->free(host.data(), static_cast<int64_t>(host.size()));
+        tier_event(TierEvent::kEvictedHost, host.data(), static_cast<int64_t>(host.size()),
+                   nullptr);
+    }
 }
 
 Node* Tree::walk(Node* start, const int32_t* tokens, int64_t num_pages,
@@ -281,15 +473,23 @@ Node* Tree::split(Node* child, int64_t at) {
     const uint64_t hash = child->first_hash;  // the upper part's first page too
     NodePtr lower = parent->children.take(child);
 
+    const bool on_device = child->on_device();
+    const int64_t cut = at / ps;  // pages of the upper part
     NodePtr upper = new_node();
-    upper->set_edge(child->key(), at, child->pages(), at / ps);
+    upper->set_edge(child->key(), at, child->pages(), on_device ? cut : 0);
     upper->parent = parent;
     upper->lock_ref = child->lock_ref;
     upper->last_access = child->last_access;
     upper->order = child->order;  // the upper part takes the child's place among its siblings
+    upper->dev_children = on_device ? 1 : 0;
+    if (child->on_host) {
+        upper->on_host = true;
+        upper->host_pages.assign(child->host_pages.begin(), child->host_pages.begin() + cut);
+        child->host_pages.erase(child->host_pages.begin(), child->host_pages.begin() + cut);
+    }
 
     // The lower part keeps its identity (handles, lock counts and heap entries stay valid).
-    child->drop_front(at, at / ps);
+    child->drop_front(at, on_device ? cut : 0);
     child->parent = upper.get();
     child->order = upper->next_child_order++;
     upper->children.add(hash_of(child->key()), std::move(lower));
@@ -312,6 +512,7 @@ void Tree::lock(Node* node) {
             const int64_t size = node->num_pages();
             evictable_ -= size;
             protected_ += size;
+            if (!size && node->on_host) host_evictable_ -= static_cast<int64_t>(node->host_pages.size());
         }
         ++node->lock_ref;
     }
@@ -329,9 +530,16 @@ void Tree::unlock(Node* node) {
             const int64_t size = node->num_pages();
             protected_ -= size;
             evictable_ += size;
+            if (!size && node->on_host) host_evictable_ += static_cast<int64_t>(node->host_pages.size());
         }
     }
     push_if_evictable_leaf(start);  // only the start can be a leaf
+    if (start->on_host) {
+        push_host_leaf(start);
+        Node* dev = start;
+        while (!dev->on_device()) dev = dev->parent;  // the device run's last node
+        push_if_evictable_leaf(dev);
+    }
 }
 
 // ------------------------------------------------------------------------------- eviction
@@ -344,8 +552,11 @@ void Tree::unlink(Node* node) {
         parent->children.take(node);
 }
 
+// An unlocked *device leaf*: on the device, none of its children on the device (one tier: a leaf).
 void Tree::push_if_evictable_leaf(Node* node) {
-    if (!node->children.empty() || node->lock_ref || node == root_.get()) return;
+    if (node->dev_children || node->lock_ref || node == root_.get() || !node->on_device()) return;
+    // a namespace node goes when its last (host-only) child has gone
+    if (node->is_namespace() && !node->children.empty()) return;
     if (node->heap_time == node->last_access) return;  // its live entry is already in the heap
     node->heap_time = node->last_access;
     heap_.push_back({node->last_access, node->id, node->shared_from_this()});
@@ -355,8 +566,9 @@ void Tree::push_if_evictable_leaf(Node* node) {
 
 bool Tree::entry_is_live(const HeapEntry& e) {
     const Node* node = e.node.get();
-    return e.time == node->last_access && node->lock_ref == 0 && node->children.empty() &&
-           node->parent != nullptr;
+    return e.time == node->last_access && node->lock_ref == 0 && node->dev_children == 0 &&
+           node->parent != nullptr && node->on_device() &&
+           !(node->is_namespace() && !node->children.empty());
 }
 
 void Tree::compact_heap() {
@@ -372,19 +584,31 @@ void Tree::compact_heap() {
     heap_limit_ = std::max<size_t>(1024, 2 * heap_.size());
 }
 
-int64_t Tree::evict(int64_t num_pages, std::vector<int32_t>& released) {
+int64_t Tree::evict(int64_t num_pages, std::vector<int32_t>& freed_pages,
+                    std::vector<int32_t>* dropped, bool* any_dropped) {
     struct Append final : PageSink {
         std::vector<int32_t>& out;
-        explicit Append(std::vector<int32_t>& o) : out(o) {}
+        std::vector<int32_t>* dropped;
+        bool any = false;
+        Append(std::vector<int32_t>& o, std::vector<int32_t>* d) : out(o), dropped(d) {}
         void put(const int32_t* pages, int64_t n) override {
             out.insert(out.end(), pages, pages + n);
         }
-    } append(released);
-    return evict(num_pages, append);
+        void put_dropped(const int32_t* pages, int64_t n) override {
+            any = true;
+            put(pages, n);
+            if (dropped) dropped->insert(dropped->end(), pages, pages + n);
+        }
+    } append(freed_pages, dropped);
+    const int64_t freed = evict(num_pages, append);
+    if (any_dropped) *any_dropped = append.any;
+    return freed;
 }
 
 int64_t Tree::evict(int64_t num_pages, PageSink& sink) {
     int64_t freed = 0;
+    std::vector<int32_t> offloaded;  // device pages of nodes kept on the host
+    std::vector<NodePtr> dropped;    // nodes that left the tree
     while (freed < num_pages && !heap_.empty()) {
         std::pop_heap(heap_.begin(), heap_.end(), Later{});
         HeapEntry entry = std::move(heap_.back());
@@ -393,15 +617,25 @@ int64_t Tree::evict(int64_t num_pages, PageSink& sink) {
         if (entry.time == node->heap_time) node->heap_time = -1;
         if (!entry_is_live(entry)) continue;
         Node* parent = node->parent;
-        unlink(node);  // `entry` keeps the node alive
-        node->parent = nullptr;
-        --num_nodes_;
         const int64_t size = node->num_pages();
         evictable_ -= size;
         freed += size;
-        sink.put(node->pages(), size);
+        if (host_ && !node->is_namespace() && write_to_host(node)) {
+            offloaded.insert(offloaded.end(), node->pages(), node->pages() + size);
+            tier_event(TierEvent::kOffloaded, node->pages(), size, node->host_pages.data());
+            node->set_pages(nullptr, 0);
+            --parent->dev_children;
+            host_evictable_ += static_cast<int64_t>(node->host_pages.size());
+            push_host_leaf(node);
+        } else {
+            dropped.push_back(std::move(entry.node));  // keeps the node (and its pages) alive
+            remove(node);
+        }
         push_if_evictable_leaf(parent);
     }
+    if (!offloaded.empty() || !dropped.empty()) writes_block_ = true;
+    if (!offloaded.empty()) sink.put(offloaded.data(), static_cast<int64_t>(offloaded.size()));
+    for (const NodePtr& node : dropped) sink.put_dropped(node->pages(), node->num_pages());
     return freed;
 }
 
@@ -409,10 +643,14 @@ void Tree::reset(std::vector<int32_t>& released) {
     bool locked = protected_ != 0;
     for (Node* child : root_->ordered_children()) locked = locked || child->lock_ref != 0;
     if (locked) throw std::runtime_error("reset of the radix cache while nodes are locked");
-    for (Node* node : nodes())
+    std::vector<int32_t> host;
+    for (Node* node : nodes()) {
         released.insert(released.end(), node->pages(), node->pages() + node->num_pages());
+        if (node->on_host) host.insert(host.end(), node->host_pages.begin(), node->host_pages.end());
+    }
     dismantle();
     new_tree();
+    if (!host.empty()) host_->free(host.data(), static_cast<int64_t>(host.size()));
 }
 
 // ------------------------------------------------------------------------------ debugging
@@ -437,8 +675,11 @@ void Tree::check_integrity(bool expect_unlocked) const {
     const std::vector<Node*> all = nodes();
     if (static_cast<int64_t>(all.size()) != num_nodes_)
         fail("node count " + std::to_string(num_nodes_) + " != " + std::to_string(all.size()));
-    int64_t evictable = 0, protected_pages = 0;
-    std::vector<const Node*> leaves;
+    int64_t root_dev = 0;
+    for (const Node* child : root->ordered_children()) root_dev += child->on_device();
+    if (root->dev_children != root_dev) fail("root dev_children");
+    int64_t evictable = 0, protected_pages = 0, host_evictable = 0, host_cached = 0;
+    std::vector<const Node*> leaves, host_leaves;
     for (const Node* node : all) {
         const Node* parent = node->parent;
         const std::string name = node->repr();
@@ -461,7 +702,25 @@ void Tree::check_integrity(bool expect_unlocked) const {
                      " in its parent");
         }
         if (key_len % ps) fail(name + " key is not page-aligned");
-        if (node->num_pages() != key_len / ps) fail(name + " pages/key length mismatch");
+        const bool on_device = node->on_device();
+        if (node->on_host) {
+            if (!host_) fail(name + " on the host without a host tier");
+            const int64_t k = static_cast<int64_t>(node->host_pages.size());
+            if (k != key_len / ps) fail(name + " host pages mismatch");
+            host_cached += k;
+            if (!on_device && node->lock_ref == 0) host_evictable += k;
+        } else if (!on_device) {
+            fail(name + " is in neither tier");
+        }
+        if (on_device) {
+            if (node->num_pages() != key_len / ps) fail(name + " pages/key length mismatch");
+            if (!parent->on_device()) fail(name + " is on the device, its parent is not");
+        }
+        int64_t dev_children = 0;
+        node->children.for_each([&](Node* child) { dev_children += child->on_device(); });
+        if (node->dev_children != dev_children)
+            fail(name + " dev_children != " + std::to_string(dev_children));
+        if (!on_device && node->lock_ref == 0 && node->children.empty()) host_leaves.push_back(node);
         if (node->lock_ref < 0) fail(name + " negative lock_ref");
         if (node->last_access > parent->last_access) fail(name + " accessed after its parent");
         int64_t child_locks = 0;
@@ -474,7 +733,9 @@ void Tree::check_integrity(bool expect_unlocked) const {
             protected_pages += node->num_pages();
         } else {
             evictable += node->num_pages();
-            if (node->children.empty()) leaves.push_back(node);
+            if (on_device && node->dev_children == 0 &&
+                (!node->is_namespace() || node->children.empty()))
+                leaves.push_back(node);
         }
     }
     if (evictable != evictable_)
@@ -499,6 +760,22 @@ void Tree::check_integrity(bool expect_unlocked) const {
     if (live != leaves)
         fail("evictable-leaf heap holds " + std::to_string(live.size()) +
              " live nodes, tree has " + std::to_string(leaves.size()) + " unlocked leaves");
+
+    if (!host_) return;
+    std::vector<const Node*> host_live;
+    for (const auto& entry : host_heap_)
+        if (host_entry_is_live(entry)) host_live.push_back(entry.node.get());
+    std::sort(host_live.begin(), host_live.end());
+    host_live.erase(std::unique(host_live.begin(), host_live.end()), host_live.end());
+    std::sort(host_leaves.begin(), host_leaves.end());
+    if (host_live != host_leaves)
+        fail("host heap holds " + std::to_string(host_live.size()) + " live nodes, tree has " +
+             std::to_string(host_leaves.size()) + " host leaves");
+    if (host_cached != host_cached_)
+        fail("host cached " + std::to_string(host_cached_) + " != " + std::to_string(host_cached));
+    if (host_evictable != host_evictable_)
+        fail("host evictable " + std::to_string(host_evictable_) + " != recount " +
+             std::to_string(host_evictable));
 }
 
 }  // namespace radix

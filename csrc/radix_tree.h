@@ -5,6 +5,11 @@
 // heap with lazy deletion, and the same children insertion order, so both trees split, evict and
 // free pages in exactly the same order (tests/unit/test_radix_cache_cpp.py checks that).
 //
+// The host tier (--enable-hierarchical-cache, docs/hicache.md) is in the same tree: a node's KV
+// lives on the device (its pages), in the host pool (its host pages), or both; the device nodes
+// form a prefix-closed subtree. Device eviction keeps a node on the host, host eviction drops
+// host-only leaves, and the tree queues the copies (take_copies) instead of making them.
+//
 // No Python here: bindings.cpp converts numpy buffers and raises the Python exceptions.
 // Errors are thrown as std::invalid_argument (ValueError), std::runtime_error (RuntimeError)
 // and radix::IntegrityError (an AssertionError subclass).
@@ -27,12 +32,36 @@ struct IntegrityError : std::runtime_error {
 struct Node;
 using NodePtr = std::shared_ptr<Node>;
 
-// Where an eviction puts the pages of each node it drops, in eviction order.
+// Where an eviction puts the device pages it frees: the offloaded nodes' first, then each
+// dropped node's, in eviction order.
 struct PageSink {
     virtual void put(const int32_t* pages, int64_t n) = 0;
+    // The pages of a node that left the tree (put() is for those of nodes kept on the host).
+    virtual void put_dropped(const int32_t* pages, int64_t n) { put(pages, n); }
 
 protected:
     ~PageSink() = default;
+};
+
+// A pool of pages the tree allocates from and frees into itself: the host tier's pool (the
+// bindings adapt the C++ PageAllocator or a Python allocator object to it).
+struct PagePool {
+    virtual int64_t free_pages() = 0;
+    // `n` page ids into `out` (replacing its contents), or false when fewer than `n` are free.
+    virtual bool alloc(int64_t n, std::vector<int32_t>& out) = 0;
+    virtual void free(const int32_t* pages, int64_t n) = 0;
+    virtual ~PagePool() = default;
+};
+
+// A copy between the pools that the worker makes: page ids, one per page, src to dst.
+struct Copy {
+    std::vector<int32_t> src, dst;
+};
+
+// KV that moved between the tiers or left the host (the tier observer's events, in order).
+struct TierEvent {
+    enum Kind { kOffloaded, kLoaded, kEvictedHost } kind;
+    std::vector<int32_t> src, dst;  // dst is empty for kEvictedHost
 };
 
 // The hash of one page (page_size tokens): children are found by their first page.
@@ -128,6 +157,16 @@ public:
     // handle clears when it dies), so that a node always has the same Python object.
     void* py_handle = nullptr;
 
+    // The host tier: this node's host page ids when `on_host` (then num_pages() is 0 if the
+    // node is on the host only), the number of its children on the device (namespace nodes
+    // count as on the device), and host_heap_time, as heap_time for the host-leaf heap.
+    bool on_host = false;
+    std::vector<int32_t> host_pages;
+    int64_t dev_children = 0;
+    int64_t host_heap_time = -1;
+
+    // The root and namespace nodes (no tokens) count as on the device.
+    bool on_device() const { return num_pages_ > 0 || key_len_ == 0; }
     bool is_namespace() const { return ns != nullptr; }
     bool has_children() const {
         return !children.empty() || (namespaces && !namespaces->empty());
@@ -136,18 +175,28 @@ public:
     std::string repr() const;
 };
 
+// What a match found: the device run (`node`, `length`) and, with a host tier, the host-only
+// run after it (`host_node`, `host_length`); host_node is `node` when nothing matched on the
+// host and nullptr when the namespace does not exist.
+struct Match {
+    Node* node;
+    int64_t length;
+    Node* host_node;
+    int64_t host_length;
+};
+
 class Tree {
 public:
-    explicit Tree(int32_t page_size);
+    // `host`: the host tier's pool (not owned; nullptr: one tier).
+    explicit Tree(int32_t page_size, PagePool* host = nullptr, bool write_through = false);
     ~Tree();
     Tree(const Tree&) = delete;
     Tree& operator=(const Tree&) = delete;
 
     // Longest cached page-aligned prefix of tokens[0:n] in namespace `ns` (nullptr: the public
-    // one). Fills `path` with the matched token nodes (top-down) and returns the deepest node;
-    // `length` gets the matched tokens.
-    Node* match_prefix(const int32_t* tokens, int64_t n, std::vector<Node*>& path,
-                       int64_t& length, const std::string* ns = nullptr);
+    // one). Fills `path` with the matched token nodes (top-down; host-only ones hold no pages).
+    Match match_prefix(const int32_t* tokens, int64_t n, std::vector<Node*>& path,
+                       const std::string* ns = nullptr);
     // Cache tokens[0:n]'s page-aligned part with `pages` (n / page_size of them) in namespace
     // `ns`; returns the node ending at the key's end, and the tokens that were already cached
     // in `prefix_len`.
@@ -155,11 +204,24 @@ public:
                  int64_t& prefix_len, const std::string* ns = nullptr);
     void lock(Node* node);
     void unlock(Node* node);
-    // Evicts LRU unlocked leaves until `num_pages` are freed; appends their pages to `released`.
-    int64_t evict(int64_t num_pages, std::vector<int32_t>& released);
-    // The same, handing each evicted node's pages to `sink` (e.g. straight to an allocator).
+    // Evicts LRU unlocked device leaves until `num_pages` device pages are freed (with a host
+    // tier a node is kept on the host when it has or gets a host copy); appends every freed
+    // device page to `freed_pages` (the offloaded nodes' first, then the dropped nodes'), and
+    // the dropped nodes' pages to `dropped` when given; `any_dropped` tells whether a node left.
+    int64_t evict(int64_t num_pages, std::vector<int32_t>& freed_pages,
+                  std::vector<int32_t>* dropped = nullptr, bool* any_dropped = nullptr);
+    // The same, handing the freed device pages to `sink` (e.g. straight to an allocator).
     int64_t evict(int64_t num_pages, PageSink& sink);
-    // Drops every node; appends all cached pages to `released` (in the Python tree's order).
+    // Frees at least `num_pages` host pages: LRU unlocked host-only leaves leave the tree.
+    int64_t evict_host(int64_t num_pages);
+    // Gives the host-only nodes on the path to `node` (locked) the device pages `pages` and
+    // queues their loads; returns the tokens loaded.
+    int64_t load_back(Node* node, const int32_t* pages, int64_t num_pages);
+    // The copies queued since the last call (writes device->host, loads host->device) and
+    // whether the step must wait for the writes (their device pages were freed).
+    void take_copies(std::vector<Copy>& writes, std::vector<Copy>& loads, bool& writes_block);
+    // Drops every node; appends all cached device pages to `released` (in the Python tree's
+    // order) and frees the host pages into the host pool.
     void reset(std::vector<int32_t>& released);
     // Tree structure, counters and heap (the allocator side is checked by the Python wrapper).
     void check_integrity(bool expect_unlocked) const;
@@ -172,6 +234,14 @@ public:
     int64_t protected_pages() const { return protected_; }
     int64_t num_nodes() const { return num_nodes_; }
     size_t heap_size() const { return heap_.size(); }
+    bool has_host() const { return host_ != nullptr; }
+    bool write_through() const { return write_through_; }
+    int64_t host_cached_pages() const { return host_cached_; }
+    int64_t host_evictable_pages() const { return host_evictable_; }
+    size_t host_heap_size() const { return host_heap_.size(); }
+    // Tier events are recorded only while asked for (a tier observer is set).
+    void record_tier_events(bool on) { record_tier_ = on; }
+    std::vector<TierEvent> take_tier_events() { return std::move(tier_events_); }
 
     // Test hooks: corrupt the state so that check_integrity must notice.
     void debug_clear_heap() { heap_.clear(); }
@@ -205,6 +275,14 @@ private:
     void push_if_evictable_leaf(Node* node);
     static bool entry_is_live(const HeapEntry& e);
     void compact_heap();
+    // the host tier
+    std::vector<Node*> host_only_path(Node* node) const;
+    int64_t to_device(Node* node, const int32_t* pages, int64_t num_pages, bool copy, bool tail);
+    bool write_to_host(Node* node);
+    void remove(Node* node);  // a device node leaves the tree with its host-only subtree
+    void push_host_leaf(Node* node);
+    static bool host_entry_is_live(const HeapEntry& e);
+    void tier_event(TierEvent::Kind kind, const int32_t* src, int64_t n, const int32_t* dst);
 
     int32_t page_size_;
     int64_t next_id_ = 0;
@@ -215,6 +293,17 @@ private:
     int64_t num_nodes_ = 0;  // excluding the root
     std::vector<HeapEntry> heap_;
     size_t heap_limit_ = 1024;
+    // the host tier
+    PagePool* host_;
+    bool write_through_;
+    std::vector<HeapEntry> host_heap_;
+    size_t host_heap_limit_ = 1024;
+    int64_t host_cached_ = 0;     // host pages held by nodes
+    int64_t host_evictable_ = 0;  // host pages of unlocked host-only nodes
+    std::vector<Copy> writes_, loads_;
+    bool writes_block_ = false;
+    bool record_tier_ = false;
+    std::vector<TierEvent> tier_events_;
 };
 
 }  // namespace radix

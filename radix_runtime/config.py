@@ -82,6 +82,8 @@ class ServerArgs:
     kv_events_replay_endpoint: str | None = None
     # constrained decoding: threads compiling grammars in the worker (off its step loop)
     grammar_compile_threads: int = 2
+    # constrained decoding: threads filling a batch's token masks (0: one after another)
+    grammar_fill_threads: int = 0
     # constrained decoding: append the tokens a grammar forces (fixed JSON keys) in one step
     enable_jump_forward: bool = False
     # process hygiene
@@ -176,6 +178,8 @@ class ServerArgs:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.grammar_compile_threads < 1:
             raise ValueError("--grammar-compile-threads must be >= 1")
+        if self.grammar_fill_threads < 0:
+            raise ValueError("--grammar-fill-threads must be >= 0")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.hicache_size < 0 or self.hicache_ratio <= 0:
@@ -258,6 +262,8 @@ _HELP = {
     "a decode step each (docs/structured_output.md)",
     "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
     "worker, off its step loop",
+    "grammar_fill_threads": "threads filling a batch's grammar token masks in the worker "
+    "(xgrammar's BatchGrammarMatcher; 0: one matcher after another on the step's thread)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health (give it "
     "several times for several keys)",
     "api_key_file": "a file of API keys, one per line: KEY [TENANT] (keys of one tenant share its "
@@ -274,8 +280,8 @@ _HELP = {
     "is then free); write_back: copy it when it is evicted from the device",
     "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
     "per-output-channel scales and FP8 activations with per-token dynamic scales "
-    "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128) and keep "
-    "them dequantized: int4's accuracy at the model dtype's memory and speed; quantized "
+    "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128): packed "
+    "W4A16 with the int4 GEMV on CUDA, kept dequantized on the CPU; quantized "
     "checkpoints (FP8, AWQ, GPTQ) are recognised from their config and need no flag",
     "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
     "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "

@@ -2,9 +2,14 @@
 
 A `SlotGrammar` advances with every token its slot samples. The token is accepted lazily: the
 sampling step leaves it on the device and records where its host copy will be (`pending`); it
-is accepted right before the next mask is filled (`resolve`), or when the step's result is
-collected. So with the overlap schedule the mask for step N+1 is always computed after step N's
-token was accepted, while step N+1's forward already runs on the device.
+is accepted right before the next mask is filled (`resolve_all`, one wait and one read of the
+step's ids for the whole batch), or when the step's result is collected. So with the overlap
+schedule the mask for step N+1 is always computed after step N's token was accepted, while step
+N+1's forward already runs on the device.
+
+`BatchMasks` fills a batch's masks: xgrammar's `BatchGrammarMatcher` over `threads` threads (or,
+with 0 threads, one matcher after another on the step's thread), into pinned host memory on
+CUDA, so the copy to the device is queued without waiting for the device.
 """
 
 from __future__ import annotations
@@ -84,12 +89,53 @@ class SlotGrammar:
             accepted.append(token)
         return accepted
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Write the allowed tokens into bitmask[row]; False when the row needs no mask."""
-        self.resolve()
-        if self.finished:
-            return False  # the step's result for this slot is discarded (it finished)
-        return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+def resolve_all(grammars: list[SlotGrammar]) -> None:
+    """Accept every pending token of `grammars`: one event wait and one read per step's ids."""
+    ids: dict[int, list[int]] = {}
+    for g in grammars:
+        p = g.pending
+        if p is None:
+            continue
+        key = id(p.host_ids)
+        if key not in ids:
+            if p.event is not None:
+                p.event.synchronize()
+            ids[key] = p.host_ids.tolist()
+        g.pending = None
+        g.accept(ids[key][p.row])
+
+
+class BatchMasks:
+    """The token masks of a batch's constrained rows, filled on the host."""
+
+    def __init__(self, vocab_size: int, threads: int) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.threads = threads
+        self._batch = xgr.BatchGrammarMatcher(threads) if threads > 0 else None
+
+    def fill(
+        self, grammars: list[SlotGrammar | None], pinned: bool
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """(bitmask [B, words] int32, the rows it constrains) for a batch whose row i belongs to
+        grammars[i] (None: unconstrained); None when no row needs a mask. The pending tokens are
+        accepted first; the rows it does not constrain allow every token."""
+        resolve_all([g for g in grammars if g is not None])
+        rows = [i for i, g in enumerate(grammars) if g is not None and not g.finished]
+        if not rows:
+            return None
+        bitmask = torch.empty((len(grammars), self.words), dtype=torch.int32, pin_memory=pinned)
+        if len(rows) < len(grammars):  # the rows no grammar fills allow every token
+            others = sorted(set(range(len(grammars))) - set(rows))
+            bitmask.index_fill_(0, torch.tensor(others), -1)
+        if self._batch is not None:
+            self._batch.batch_fill_next_token_bitmask(
+                [grammars[i].matcher for i in rows], bitmask, rows
+            )
+            return bitmask, rows
+        # one by one, skipping the rows the grammar leaves unconstrained here
+        return bitmask, [i for i in rows if grammars[i].matcher.fill_next_token_bitmask(bitmask, i)]
 
 
 def clear_tokens(bitmask_row: torch.Tensor, token_ids: list[int]) -> None:

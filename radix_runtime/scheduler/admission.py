@@ -31,7 +31,7 @@ from radix_runtime.messages import (
 from radix_runtime.scheduler.kv import KvBook
 from radix_runtime.scheduler.policy import order_waiting
 from radix_runtime.scheduler.queues import Queues
-from radix_runtime.scheduler.request import PlannedReq, Req, ReqState
+from radix_runtime.scheduler.request import PlannedReq, Req
 from radix_runtime.scheduler.stats import Counters, SchedulerStats
 
 if TYPE_CHECKING:
@@ -62,7 +62,6 @@ class Admission:
     ):
         self.args, self.context_length, self.vocab_size = args, context_length, vocab_size
         self.kv, self.queues, self.counters, self.stats = kv, queues, counters, stats
-        self.cache = kv.cache
         self.max_running = args.max_running_requests
         self.arrivals = 0
         # constrained decoding: a request whose grammar the worker has not compiled yet waits
@@ -213,13 +212,14 @@ class Admission:
         shared_with: list[Req] = (),
     ) -> None:
         """Admit waiting requests in policy order, next to the `running` requests as the step
-        finds them (planner.py); `reserve` pages stay free for the running decoders' next tokens,
-        so an admission never forces a retraction. A request that shares
-        at least IN_BATCH_SHARE_THRESHOLD not-yet-cached prompt tokens with one that is computing
-        them waits: with a request admitted in this step, with a running request whose prefill is
-        not done (a prefix longer than a chunk is cached chunk by chunk), and with `shared_with`,
-        the requests that had prefill rows in the step still in flight (their KV is not in the
-        tree yet). Then it matches the whole prefix instead of computing it again."""
+        finds them (planner.py), while the budget, the slots and the pages last; `reserve` pages
+        stay free for the running decoders' next tokens, so an admission never forces a
+        retraction. A request that shares at least IN_BATCH_SHARE_THRESHOLD not-yet-cached prompt
+        tokens with one that is computing them waits: with a request admitted in this step, with
+        a running request whose prefill is not done (a prefix longer than a chunk is cached chunk
+        by chunk), and with `shared_with`, the requests that had prefill rows in the step still
+        in flight (their KV is not in the tree yet). Then it matches the whole prefix instead of
+        computing it again."""
         waiting, kv = self.queues.waiting, self.kv
         if not waiting or budget <= 0:
             return
@@ -247,30 +247,26 @@ class Admission:
             if computing is None:
                 computing = computing_uncached(running, shared_with)
             match = self.match(req)
-            # NOTE: the C++ tree's matches have no host fields (it has no host tier)
-            host_len = match.host_length if kv.host_allocator is not None else 0
+            host_len = match.host_length  # 0 without a host tier (either tree)
             if self.shares_uncached_prefix(req, match.length + host_len, computing):
                 continue
             if expected is None:
                 expected = sum(self.expected_pages(v.req, v.all_len, v.kv_len) for v in running)
-            # NOTE: with nothing running, a request goes whatever its expected growth: nothing
-            # would free memory for it (and it was checked to fit the pool)
-            ahead = expected if n_running else 0
-            loaded = kv.lock_match(req, match, budget, reserve + ahead)
-            n = min(budget, req.remaining_fill)
-            # room for this chunk, the running requests' expected growth and this one's
-            own = self.expected_pages(req, req.all_len, req.kv_len + n)
-            if not kv.grow_pages(req, req.kv_len + n, reserve + ahead + (own if n_running else 0)):
-                kv.unlock_match(req)
+            # room for its first chunk, the running requests' expected growth and its own (as
+            # if nothing loads from the host tier); NOTE: with nothing running, a request goes
+            # whatever its expected growth: nothing would free memory for it (and it fits the
+            # pool: checked on arrival)
+            first = match.length + min(budget, req.all_len - match.length)
+            own = self.expected_pages(req, req.all_len, first)
+            ahead = expected + own if n_running else 0
+            taken = kv.admit(req, match, budget, reserve + ahead)
+            if taken is None:  # the pages do not fit: the ones after it wait too (policy order)
                 break
+            n, loaded = taken
             expected += own
             if req.cached_tokens < 0:
                 self._count_admission(req, match.length, host_len, loaded)
-            req.slot = kv.take_slot()
-            req.sent_pages = 0
-            req.state = ReqState.RUNNING
-            waiting.remove(req)
-            self.queues.running.append(req)
+            self.queues.start(req)
             n_running += 1
             computing.append(req)
             sample = req.kv_len + n == req.all_len and not req.prefill_only
@@ -305,12 +301,7 @@ class Admission:
             c.host_recomputed_tokens += host_len
         req.admitted_at = time.perf_counter()
         if self.stats is not None:
-            self.stats.admitted(
-                len(req.prompt),
-                matched + loaded,
-                req.admitted_at - req.arrived_at,
-                host_cached_tokens=loaded,
-            )
+            self.stats.admitted(req.admitted_at - req.arrived_at)
 
     @staticmethod
     def match_limit(req: Req) -> int:
@@ -323,13 +314,13 @@ class Admission:
 
     def match(self, req: Req):
         """Longest cached prefix within `match_limit`."""
-        return self.cache.match_prefix(req.ids_slice(0, self.match_limit(req)), req.namespace)
+        return self.kv.cache.match_prefix(req.ids_slice(0, self.match_limit(req)), req.namespace)
 
     def shares_uncached_prefix(self, req: Req, cached: int, computing: list[Req]) -> bool:
         """Whether `req` shares at least IN_BATCH_SHARE_THRESHOLD tokens past `cached` with one
         of `computing` that it could match once they are cached (so waiting pays off): only one
         in its own cache namespace, whose prefix it will be able to match."""
-        if self.cache.disable:
+        if self.kv.cache.disable:
             return False
         limit = self.match_limit(req)
         for other in computing:

@@ -18,22 +18,17 @@ def make_radix_cache(
     host_allocator: PageAllocator | None = None,
     write_through: bool = False,
 ):
-    """`host_allocator`: the host tier's pool (--enable-hierarchical-cache); only the Python tree
-    has the host tier, so `auto` picks it then and `cpp` is refused."""
+    """`host_allocator`: the host tier's pool (--enable-hierarchical-cache); both trees have
+    the host tier (docs/hicache.md)."""
     if impl not in ("auto", "python", "cpp"):
         raise ValueError(f"unknown radix tree implementation {impl!r}")
     if host_allocator is not None:
-        if impl == "cpp":
-            raise RuntimeError(
-                "--enable-hierarchical-cache: the C++ radix tree has no host tier; use "
-                "--radix-tree-impl python or auto"
-            )
         logger.info(
-            "host KV tier: %d host pages, %s; the Python radix tree (the C++ one has no host tier)",
+            "host KV tier: %d host pages, %s",
             host_allocator.total_pages,
             "write_through" if write_through else "write_back",
         )
-        return RadixCache(page_size, allocator, disable, host_allocator, write_through)
+    tier = dict(host_allocator=host_allocator, write_through=write_through)
     if impl in ("auto", "cpp"):
         try:
             from radix_runtime.scheduler.radix_cache_cpp import CppRadixCache
@@ -48,5 +43,5 @@ def make_radix_cache(
                 exc,
             )
         else:
-            return CppRadixCache(page_size, allocator, disable=disable)
-    return RadixCache(page_size, allocator, disable=disable)
+            return CppRadixCache(page_size, allocator, disable=disable, **tier)
+    return RadixCache(page_size, allocator, disable=disable, **tier)

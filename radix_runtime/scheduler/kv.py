@@ -28,7 +28,7 @@ from radix_runtime.scheduler.allocator import PageAllocator
 from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.radix_cache import RadixCache
 from radix_runtime.scheduler.request import PageRow, Req
-from radix_runtime.scheduler.stats import Counters, SchedulerStats
+from radix_runtime.scheduler.stats import Counters
 
 # The host tier's cost model (docs/hicache.md): loading n tokens costs LOAD_LATENCY_S +
 # n * kv_bytes_per_token / load_bandwidth (measured by the worker at start); recomputing them
@@ -47,9 +47,8 @@ class KvBook:
         args: ServerArgs,
         worker: WorkerReady,
         counters: Counters,
-        stats: SchedulerStats | None,
     ):
-        self.counters, self.stats = counters, stats
+        self.counters = counters
         self.page_size = worker.page_size
         self.allocator = PageAllocator(worker.num_pages)
         # the host tier (--enable-hierarchical-cache): the worker sized and allocated its pool
@@ -107,13 +106,40 @@ class KvBook:
         req.pages.extend(pages)
         return True
 
+    def next_token_pages(self, rows: list[tuple[Req, int]]) -> int:
+        """How many of `rows` (request, kv_len) need a new page for their next token."""
+        return sum(1 for req, kv_len in rows if self.pages_needed(req, kv_len + 1) > 0)
+
+    def grow_next_token(self, rows: list[tuple[Req, int]]) -> None:
+        """A page for each of `rows` (request, kv_len) whose next token starts one, in one
+        allocation (page size 1: every decoder, every step); counted as available before."""
+        growing = [req for req, kv_len in rows if self.pages_needed(req, kv_len + 1) > 0]
+        if growing:
+            pages = self.take_pages(len(growing))
+            assert pages is not None, "pages were counted as available"
+            for req, page in zip(growing, pages.tolist()):
+                req.pages.append(page)
+
     def take_pages(self, n: int) -> np.ndarray | None:
         """`n` free pages, evicting cached prefixes for the shortfall; None if there are not."""
         if self.allocator.free_pages < n:
-            evicted = self.cache.evict(n - self.allocator.free_pages)
-            if self.stats is not None:
-                self.stats.evicted_pages += evicted
+            self.counters.evicted_pages += self.cache.evict(n - self.allocator.free_pages)
         return self.allocator.alloc(n)
+
+    def admit(self, req: Req, match, budget: int, reserve: int) -> tuple[int, int] | None:
+        """A waiting request's KV for its first step: `match` locked (loaded back from the host
+        tier when that pays, `lock_match`), pages for its first chunk of at most `budget` tokens
+        with `reserve` pages left available, and a slot. Returns the chunk's length and the
+        tokens loaded from the host; None, with nothing taken, when the pages do not fit."""
+        loaded = self.lock_match(req, match, budget, reserve)
+        n = min(budget, req.remaining_fill)
+        if not self.grow_pages(req, req.kv_len + n, reserve):
+            self.cache.unlock(req.node)
+            req.node, req.pages, req.tree_pages, req.kv_len = None, PageRow(), 0, 0
+            return None
+        req.slot = self.free_slots.pop()
+        req.sent_pages = 0
+        return n, loaded
 
     def lock_match(self, req: Req, match, budget: int, reserve: int) -> int:
         """Lock `match` for `req` and set its pages and kv_len. A match that runs on into the
@@ -121,7 +147,7 @@ class KvBook:
         when the load beats recomputing and the pool has the pages for it and for the first
         chunk; else the request computes those tokens. Returns the tokens loaded."""
         ps = self.page_size
-        host_len = match.host_length if self.host_allocator is not None else 0
+        host_len = match.host_length  # 0 without a host tier (either tree)
         if host_len:
             load_pages = host_len // ps
             kv_after = match.length + host_len
@@ -146,11 +172,6 @@ class KvBook:
         req.tree_pages = len(req.pages)
         req.kv_len = match.length
         return 0
-
-    def unlock_match(self, req: Req) -> None:
-        """Undo `lock_match` for a request that is not admitted after all."""
-        self.cache.unlock(req.node)
-        req.node, req.pages, req.tree_pages, req.kv_len = None, PageRow(), 0, 0
 
     def cache_unfinished(self, req: Req) -> None:
         """Put the computed prefix of a running request into the tree, so requests arriving now
@@ -209,9 +230,6 @@ class KvBook:
 
     # -----------------------------------------------------------------------------------------
     # slots: the worker's per-request rows (page table, sampling state)
-
-    def take_slot(self) -> int:
-        return self.free_slots.pop()
 
     def take_released_slots(self) -> list[int]:
         """Slots freed since the last batch (the worker forgets their sampling state)."""

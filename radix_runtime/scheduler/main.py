@@ -14,7 +14,7 @@ import zmq
 from radix_runtime import kv_events
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
-from radix_runtime.scheduler.stats import SchedulerStats, cache_tree
+from radix_runtime.scheduler.stats import cache_tree, gauges
 from radix_runtime.utils.procs import (
     configure_logging,
     endpoint,
@@ -169,7 +169,7 @@ class SchedulerProcess:
             self.send_tok(sched.flush_cache())
         elif isinstance(msg, m.MetricsReq):
             # NOTE: answered even with --disable-metrics (gauges only), so a request never hangs
-            self.send_tok((sched.stats or SchedulerStats()).report(sched))
+            self.send_tok(sched.stats.report(sched) if sched.stats else gauges(sched))
         elif isinstance(msg, m.CacheTreeReq):
             self.send_tok(
                 cache_tree(sched.cache, max(msg.max_depth, 0), max(msg.max_children, 1),

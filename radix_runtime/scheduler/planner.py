@@ -15,7 +15,7 @@ N, `schedule_ahead(plan N)` builds step N+1 before N's result is processed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,41 +28,34 @@ from radix_runtime.scheduler.request import PlannedReq, Req, ReqState
 from radix_runtime.scheduler.stats import Counters
 
 
-@dataclass(frozen=True, slots=True)
-class Projected:
-    """A running request as the step being planned finds it: as it is now, or (the overlap
-    schedule) as the step in flight leaves it, before that step's result is processed."""
+class Projected(NamedTuple):
+    """A running request as the step being planned finds it: as it is now (`now`), or (the
+    overlap schedule) as the step in flight leaves it (`after`), before that step's result is
+    processed. A tuple: planning makes one per running request per step."""
 
     req: Req
     kv_len: int
     all_len: int
-    has_output: bool
+    is_decoding: bool  # one token to compute, after an output: the next step decodes it
     pending: bool = False  # its last output token is the in-flight step's sample, unknown yet
 
     @classmethod
     def now(cls, req: Req) -> Projected:
-        return cls(req, req.kv_len, req.all_len, bool(req.output_ids))
+        kv_len, all_len = req.kv_len, len(req.prompt) + len(req.output_ids)
+        return cls(req, kv_len, all_len, all_len - kv_len == 1 and bool(req.output_ids))
 
     @classmethod
     def after(cls, row: PlannedReq) -> Projected:
         """`row`'s request once its row is computed (and sampled, with `row.sample`)."""
         req = row.req
-        return cls(
-            req,
-            req.kv_len + row.num_tokens,
-            req.all_len + row.sample,
-            bool(req.output_ids) or row.sample,
-            pending=row.sample,
-        )
+        kv_len, all_len = req.kv_len + row.num_tokens, req.all_len + row.sample
+        decoding = all_len - kv_len == 1 and (bool(req.output_ids) or row.sample)
+        return cls(req, kv_len, all_len, decoding, pending=row.sample)
 
     @property
     def remaining_fill(self) -> int:
         """Tokens still to compute before the next token can be sampled."""
         return self.all_len - self.kv_len
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.remaining_fill == 1 and self.has_output
 
 
 class Planner:
@@ -213,8 +206,7 @@ class Planner:
         decoders = [v for v in views if v.is_decoding]
         # every decoder whose next token starts a new page needs one; retract until they fit
         while decoders:
-            need = sum(1 for v in decoders if kv.pages_needed(v.req, v.kv_len + 1) > 0)
-            if kv.available_pages() >= need:
+            if kv.available_pages() >= kv.next_token_pages([(v.req, v.kv_len) for v in decoders]):
                 break
             if ahead:
                 return False
@@ -226,13 +218,7 @@ class Planner:
                 queues.retract(victim.req)
             decoders.remove(victim)
             views.remove(victim)
-        # the decoders' new pages in one allocation (page size 1: every decoder, every step)
-        growing = [v.req for v in decoders if kv.pages_needed(v.req, v.kv_len + 1) > 0]
-        if growing:
-            pages = kv.take_pages(len(growing))
-            assert pages is not None, "pages were counted as available"
-            for req, page in zip(growing, pages.tolist()):
-                req.pages.append(page)
+        kv.grow_next_token([(v.req, v.kv_len) for v in decoders])
         plan.extend(PlannedReq(v.req, 1, True, start=v.kv_len) for v in decoders)
         if decoders:
             self.counters.decode_steps += 1

@@ -13,7 +13,7 @@ import logging
 from radix_runtime.messages import ReqOutput
 from radix_runtime.scheduler.kv import KvBook
 from radix_runtime.scheduler.request import Req, ReqState
-from radix_runtime.scheduler.stats import Counters, SchedulerStats
+from radix_runtime.scheduler.stats import Counters
 
 logger = logging.getLogger("radix_runtime.scheduler.scheduler")
 
@@ -21,8 +21,8 @@ OUTPUT_FRACTION_WEIGHT = 0.1  # of each finished request in `Queues.output_fract
 
 
 class Queues:
-    def __init__(self, kv: KvBook, counters: Counters, stats: SchedulerStats | None):
-        self.kv, self.counters, self.stats = kv, counters, stats
+    def __init__(self, kv: KvBook, counters: Counters):
+        self.kv, self.counters = kv, counters
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}  # every request not finished, by rid
@@ -31,6 +31,12 @@ class Queues:
         # what admission expects of the running requests' output (1.0 until one finished, and
         # again after a retraction: the estimate was too low)
         self.output_fraction = 1.0
+
+    def start(self, req: Req) -> None:
+        """An admitted request (its KV and slot taken, `KvBook.admit`) runs."""
+        req.state = ReqState.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
 
     def finish(self, req: Req, reason: str) -> ReqOutput:
         """Mark `req` finished (it holds nothing by now) and return its final reply."""
@@ -64,8 +70,6 @@ class Queues:
         req.retractions += 1
         self.counters.retractions += 1
         self.output_fraction = 1.0
-        if self.stats is not None:
-            self.stats.retractions += 1
         self.waiting.insert(0, req)
 
     def take_outputs(self) -> list[ReqOutput]:

@@ -53,7 +53,7 @@ class Scheduler:
         slots = worker.max_running_requests or args.max_running_requests
         slots = slots or auto_max_running_requests((worker.num_pages - 1) * worker.page_size)
         args = args.replace(max_running_requests=slots)
-        self.args = args
+        self._args = args
         self.page_size = worker.page_size
         self.context_length = worker.context_length
         self.vocab_size = worker.vocab_size
@@ -61,10 +61,10 @@ class Scheduler:
         self.eos_ids = set(worker.eos_token_ids)
         self.max_running = args.max_running_requests
         self.counters = Counters()
-        # /metrics: increments since the last report (none with --disable-metrics)
-        self.stats = None if args.disable_metrics else SchedulerStats()
-        self.kv = KvBook(args, worker, self.counters, self.stats)
-        self.queues = Queues(self.kv, self.counters, self.stats)
+        # /metrics: the histograms and the reports (none with --disable-metrics)
+        self.stats = None if args.disable_metrics else SchedulerStats(self.counters)
+        self.kv = KvBook(args, worker, self.counters)
+        self.queues = Queues(self.kv, self.counters)
         self.admission = Admission(
             args, self.context_length, self.vocab_size, self.kv, self.queues, self.counters,
             self.stats,
@@ -72,14 +72,19 @@ class Scheduler:
         self.planner = Planner(
             args, self.context_length, self.kv, self.admission, self.queues, self.counters
         )
-        # the parts' state, under the names the process, /metrics and the tests read
-        self.allocator, self.host_allocator = self.kv.allocator, self.kv.host_allocator
-        self.cache, self.tree_impl = self.kv.cache, self.kv.tree_impl
-        self.kv_events = self.kv.kv_events
-        self.waiting, self.running, self.reqs = (
-            self.queues.waiting, self.queues.running, self.queues.reqs
-        )  # fmt: skip
-        self.grammar_waiting = self.admission.grammar_waiting
+
+    # the parts' state, under the names the process, /metrics and the tests read (read-only:
+    # replace a part's state on the part, e.g. `sched.kv.cache`)
+    args = property(lambda self: self._args)
+    allocator = property(lambda self: self.kv.allocator)
+    host_allocator = property(lambda self: self.kv.host_allocator)
+    cache = property(lambda self: self.kv.cache)
+    tree_impl = property(lambda self: self.kv.tree_impl)
+    kv_events = property(lambda self: self.kv.kv_events)
+    waiting = property(lambda self: self.queues.waiting)
+    running = property(lambda self: self.queues.running)
+    reqs = property(lambda self: self.queues.reqs)
+    grammar_waiting = property(lambda self: self.admission.grammar_waiting)
 
     step_id = _total("step_id")
     prompt_tokens_total = _total("prompt_tokens_total")
@@ -175,10 +180,9 @@ class Scheduler:
             if p.sample:
                 token = int(res.next_id)
                 req.output_ids.append(token)
-                if self.stats is not None:
-                    self.stats.generation_tokens += 1
-                    if len(req.output_ids) == 1:
-                        self.stats.first_token(time.perf_counter() - req.admitted_at)
+                self.counters.generation_tokens += 1
+                if self.stats is not None and len(req.output_ids) == 1:
+                    self.stats.first_token(time.perf_counter() - req.admitted_at)
                 if req.return_logprob:
                     out.output_logprobs = pack_floats([res.logprob])
                     out.top_ids, out.top_logprobs = res.top_ids, res.top_logprobs
@@ -194,8 +198,7 @@ class Scheduler:
                         if reason is not None:
                             break
                     self.counters.jumped_tokens += len(new_ids) - 1
-                    if self.stats is not None:
-                        self.stats.generation_tokens += len(new_ids) - 1
+                    self.counters.generation_tokens += len(new_ids) - 1
                 out.new_ids = pack_ids(new_ids)
                 if reason is not None:
                     finished = self.queues.end(req, reason)

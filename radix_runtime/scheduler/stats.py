@@ -1,16 +1,17 @@
-"""What the scheduler counts for /metrics, and the radix tree's picture for /cache_tree.
+"""What the scheduler counts, for /server_info, /cache_stats and /metrics, and the radix tree's
+picture for /cache_tree.
 
-`SchedulerStats` holds increments since the last report: `report()` hands them to the HTTP
-process in a `SchedulerMetrics` (with the gauges as they are now) and starts again from zero.
-The HTTP process adds them up, so the totals it exposes only ever grow, whatever happens here.
-Recording is a few integer additions and bisects per step; with --disable-metrics the scheduler
-holds no SchedulerStats at all.
+`Counters` holds the totals since start; every part of the scheduler adds to the one instance.
+`SchedulerStats` (none with --disable-metrics) adds the histograms, and `report()` hands the HTTP
+process a `SchedulerMetrics`: the gauges as they are now, and the counters' and histograms'
+increments since the previous report. The HTTP process adds them up, so the totals it exposes
+only ever grow, whatever happens here. Recording is a few integer additions and bisects per step.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from radix_runtime.messages import (
     CacheTree,
@@ -47,9 +48,11 @@ class Counters:
     step_id: int = 0  # batches built
     prompt_tokens_total: int = 0  # prompt tokens of admitted requests (each counted once)
     cached_tokens_total: int = 0  # of them, matched in the tree (either tier)
+    generation_tokens: int = 0  # output tokens (jump-forward's included)
     decode_steps: int = 0
     jumped_tokens: int = 0  # output tokens appended by jump-forward (no decode step each)
     retractions: int = 0
+    evicted_pages: int = 0  # pages evicted from the tree to make room (a flush not counted)
     integrity_checks: int = 0
     host_cached_tokens_total: int = 0  # of cached_tokens_total, loaded from the host tier
     host_recomputed_tokens: int = 0  # host-tier hits computed again (the load did not pay)
@@ -60,28 +63,17 @@ class Counters:
 
 
 class SchedulerStats:
-    def __init__(self) -> None:
-        self.hist = {name: Histogram(bounds) for name, bounds in SCHEDULER_HISTOGRAMS.items()}
-        self._zero_counters()
+    """The histograms, and the reports of everything for /metrics."""
 
-    def _zero_counters(self) -> None:
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.host_cached_tokens = 0
-        self.generation_tokens = 0
-        self.retractions = 0
-        self.evicted_pages = 0
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+        self.hist = {name: Histogram(bounds) for name, bounds in SCHEDULER_HISTOGRAMS.items()}
+        self._reported = Counters()  # the counters as of the previous report
 
     # -- recording (called by the scheduler) ---------------------------------------------
 
-    def admitted(
-        self, prompt_tokens: int, cached_tokens: int, queued_s: float, host_cached_tokens: int = 0
-    ) -> None:
-        """A request's first admission (a retried one is not counted again); of its
-        `cached_tokens`, `host_cached_tokens` were loaded from the host tier."""
-        self.prompt_tokens += prompt_tokens
-        self.cached_tokens += cached_tokens
-        self.host_cached_tokens += host_cached_tokens
+    def admitted(self, queued_s: float) -> None:
+        """A request's first admission (a retried one is not counted again)."""
         self.hist["queue_time"].observe(queued_s)
 
     def first_token(self, prefill_s: float) -> None:
@@ -97,33 +89,39 @@ class SchedulerStats:
     # -- reporting ----------------------------------------------------------------------
 
     def report(self, sched) -> SchedulerMetrics:
-        """Gauges now, and every increment since the previous report (then zeroed)."""
-        cache = sched.cache
-        msg = SchedulerMetrics(
-            running_requests=len(sched.running),
-            waiting_requests=len(sched.waiting),
-            total_pages=sched.allocator.total_pages,
-            free_pages=sched.allocator.free_pages,
-            evictable_pages=cache.evictable_pages,
-            protected_pages=cache.protected_pages,
-            page_size=sched.page_size,
-            tree_nodes=cache.stats()["nodes"],
-            prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens,
-            host_cached_tokens=self.host_cached_tokens,
-            generation_tokens=self.generation_tokens,
-            retractions=self.retractions,
-            evicted_pages=self.evicted_pages,
-            histograms={
-                name: HistogramDelta(h.counts, h.sum)
-                for name, h in self.hist.items()
-                if h.sum or any(h.counts)
-            },
-        )
+        """Gauges now, and every increment since the previous report."""
+        now, last = self.counters, self._reported
+        msg = gauges(sched)
+        msg.prompt_tokens = now.prompt_tokens_total - last.prompt_tokens_total
+        msg.cached_tokens = now.cached_tokens_total - last.cached_tokens_total
+        msg.host_cached_tokens = now.host_cached_tokens_total - last.host_cached_tokens_total
+        msg.generation_tokens = now.generation_tokens - last.generation_tokens
+        msg.retractions = now.retractions - last.retractions
+        msg.evicted_pages = now.evicted_pages - last.evicted_pages
+        msg.histograms = {
+            name: HistogramDelta(h.counts, h.sum)
+            for name, h in self.hist.items()
+            if h.sum or any(h.counts)
+        }
         for h in self.hist.values():
             h.clear()
-        self._zero_counters()
+        self._reported = replace(now)
         return msg
+
+
+def gauges(sched) -> SchedulerMetrics:
+    """The gauges as they are now, no increments (the whole answer with --disable-metrics)."""
+    cache = sched.cache
+    return SchedulerMetrics(
+        running_requests=len(sched.running),
+        waiting_requests=len(sched.waiting),
+        total_pages=sched.allocator.total_pages,
+        free_pages=sched.allocator.free_pages,
+        evictable_pages=cache.evictable_pages,
+        protected_pages=cache.protected_pages,
+        page_size=sched.page_size,
+        tree_nodes=cache.stats()["nodes"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,7 +54,11 @@ class LoadedModel:
     weight_format: str = "float32"  # on the CPU: float32 | bfloat16 | int8 | int4
 
 
-def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(
+    args: ServerArgs, device: torch.device, dtype: torch.dtype, packed_int4: bool = False
+) -> LoadedModel:
+    """`packed_int4`: int4 weights (an AWQ / GPTQ checkpoint, `--quantization int4`) stay packed
+    in `quant.Int4Linear`s for the int4 GEMV, instead of dequantized at load."""
     source = resolve_model(args.model, args.load_format, args.model_config)
     expected = _FORMAT_KIND.get(args.load_format)
     if expected is not None and source.kind != expected:
@@ -84,7 +88,9 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
             quant.use_fp8_layers(model, device)
             weights = quant.fp8_checkpoint(weights, kv_scales)
         elif scheme["method"] in ("awq", "gptq"):
-            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales)
+            if packed_int4:
+                quant.use_int4_layers(model, device, scheme)
+            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales, packed_int4)
             quantization = scheme["method"]
         model.load_weights(weights)
     elif source.kind == "gguf":
@@ -100,7 +106,7 @@ def load_model(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
     if args.quantization == "fp8" and model.quantization == "none":
         quant.quantize_model_fp8(model)
     elif args.quantization == "int4" and quantization == "none":
-        quant.quantize_model_int4_rtn(model)
+        quant.quantize_model_int4_rtn(model, packed=packed_int4)
     if model.quantization != "none":
         quantization = model.quantization
     if source.kind != "gguf":

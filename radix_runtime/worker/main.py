@@ -9,7 +9,9 @@ only then is the previous step collected and its result sent, so the device alre
 next step while the host waits. While a step is pending and no batch has arrived, the loop waits
 for whichever comes first, the step finishing (its result goes out at once: a result is never
 held back for the next batch) or a new batch (launched first, then the pending step collected).
-Results go out in step order.
+Results go out in step order. A batch with constrained rows is launched in two parts: the
+forward, then (after the previous step's result went out) its grammar masks and sampling
+(`ModelRunner.sample`), which need the tokens the previous step sampled.
 """
 
 from __future__ import annotations
@@ -93,11 +95,17 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
                 logger.warning("fault injection: hanging at step %d", msg.step)
                 time.sleep(1e9)
             try:
-                launched = runner.launch(msg)
+                # a constrained row's mask needs the token `pending` samples: its result goes
+                # out first, so the scheduler builds the next batch while the mask is filled
+                launched = runner.launch(msg, defer_sample=pending is not None)
             except Exception as exc:
                 fail(f"forward step {msg.step}", exc)
             if pending is not None:  # the device already holds `launched` behind it
                 finish(pending)
+            try:
+                runner.sample(launched)
+            except Exception as exc:
+                fail(f"forward step {msg.step}", exc)
             pending = launched
         elif isinstance(msg, m.CompileGrammar):
             runner.compile_grammar(msg.kind, msg.text)

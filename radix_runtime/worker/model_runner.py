@@ -16,6 +16,13 @@ then a CUDA event is recorded. `collect(pending)` waits on that event and builds
 launched step that sampled it: gathered on the device from `last_sampled`, so the next step can be
 queued before the host has seen the token. `forward(batch) == collect(launch(batch))`. On the CPU
 the same code runs: launch does the work, collect packs it.
+
+Constrained rows sample from a mask the host fills from the token each row sampled in the step
+before. `launch(batch, defer_sample=True)` then stops after queueing the forward; the worker
+loop collects (and sends) the previous step's result and only then calls `sample(pending)`,
+which accepts the tokens, fills the masks and queues the sampling: the scheduler builds the
+next batch while the host fills the masks and the device runs the forward. A deferred sampling
+is done before anything else is queued (the next launch, or collect).
 """
 
 from __future__ import annotations
@@ -98,6 +105,7 @@ class PendingStep:
     event: torch.cuda.Event | None = None  # recorded after the device-to-host copies
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
     load: object = None  # the host tier's load timing (HostKVPool.load_time)
+    deferred: tuple | None = None  # (layout, logits, keep_logits) until `sample` runs
 
     def ready(self) -> bool:
         """True when `collect` would not wait (always, off CUDA)."""
@@ -114,7 +122,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads())
         torch.manual_seed(args.seed)
-        loaded = load_model(args, self.device, self.dtype)
+        # int4 weights stay packed where the int4 GEMV runs (CUDA, with the kernels)
+        packed_int4 = self.device.type == "cuda" and self.kernels.int4_gemv and kernels_available()
+        loaded = load_model(args, self.device, self.dtype, packed_int4)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.dtype, self.weight_format = loaded.dtype, loaded.weight_format
         self.model_name = loaded.source.name
@@ -155,7 +165,9 @@ class ModelRunner:
             list(c.eos_token_ids),
             self.grammars,
             jump_forward=args.enable_jump_forward,
+            fill_threads=args.grammar_fill_threads,
         )
+        self._deferred: PendingStep | None = None  # launched with its sampling not queued yet
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(self.max_running, dtype=torch.long, device=self.device)
@@ -326,10 +338,15 @@ class ModelRunner:
         return self.collect(pending), pending.logits or []
 
     @torch.inference_mode()
-    def launch(self, batch: m.ForwardBatch, keep_logits: bool = False) -> PendingStep:
+    def launch(
+        self, batch: m.ForwardBatch, keep_logits: bool = False, defer_sample: bool = False
+    ) -> PendingStep:
         """Prepare the step on the host and enqueue all of its device work (model, sampling, the
-        copies of the results to the host); nothing waits for the device."""
+        copies of the results to the host); nothing waits for the device. With `defer_sample`
+        and a constrained row in the batch, only the model: `sample(pending)` queues the rest."""
         t0 = time.perf_counter()
+        if self._deferred is not None:  # the step before samples first (stream order)
+            self.sample(self._deferred)
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
@@ -339,9 +356,27 @@ class ModelRunner:
             pending.load = self._host_copies(batch)
         if not batch.reqs:
             return pending
-        reqs = batch.reqs
-        layout = self._prepare(reqs)
-        logits = self._logits(layout, keep_logits)
+        layout = self._prepare(batch.reqs)
+        pending.deferred = (layout, self._logits(layout, keep_logits), keep_logits)
+        if not (
+            defer_sample and self.sampler.has_grammar([r.slot for r in batch.reqs if r.sample])
+        ):
+            self.sample(pending)
+        else:
+            self._deferred = pending
+        return pending
+
+    @torch.inference_mode()
+    def sample(self, pending: PendingStep) -> None:
+        """Queue the sampling of a launched step and the copies of its results to the host (a
+        no-op once done)."""
+        if pending.deferred is None:
+            return
+        layout, logits, keep_logits = pending.deferred
+        pending.deferred = None
+        if self._deferred is pending:
+            self._deferred = None
+        reqs = pending.reqs
         per_req = [logits[a:b] if b > a else None for a, b in layout.logit_ranges]
         fetch: list[torch.Tensor] = []
         sampled = [i for i, r in enumerate(reqs) if r.sample]
@@ -365,10 +400,9 @@ class ModelRunner:
             fetch.extend(self._prompt_logprobs(reqs[i], layout.ids[i], per_req[i]))
         pending.host, pending.event = self._copy_to_host(fetch)
         if sampled:  # host[0]: the sampled ids (a grammar accepts its token from there)
-            self.sampler.note_sampled(slots, batch.step, pending.host[0], pending.event)
+            self.sampler.note_sampled(slots, pending.step, pending.host[0], pending.event)
         if keep_logits:
             pending.logits = per_req
-        return pending
 
     def _host_copies(self, batch: m.ForwardBatch):
         """The host tier's copies of this batch, queued before its model (HostKVPool.copy)."""
@@ -386,6 +420,7 @@ class ModelRunner:
 
     def collect(self, pending: PendingStep) -> m.ForwardResult:
         """Wait for a launched step and pack its result."""
+        self.sample(pending)
         if pending.event is not None:
             pending.event.synchronize()
         load_s = HostKVPool.load_time(pending.load) if pending.load is not None else 0.0

@@ -12,11 +12,14 @@ model_config.py; `--quantization fp8` quantizes an unquantized checkpoint at loa
   once and each activation row goes through the same FP8 rounding, so the CPU computes what the
   GPU computes up to accumulation order. lm_head and the embeddings stay unquantized (as vLLM's
   FP8 does).
-- **int4 weight-only** (AWQ GEMM layout, GPTQ with desc_act false): dequantized to the model dtype
-  while loading (`dequantized_checkpoint`): the model then runs as an unquantized one.
-- **int4 round-to-nearest at load** (`--quantization int4`): the accuracy of W4A16 (AWQ's
-  asymmetric grid, groups of 128 input columns) with the memory and speed of the model dtype:
-  the rounded weights are kept dequantized, for measuring what int4 costs a model.
+- **int4 weight-only** (AWQ GEMM layout, GPTQ with desc_act false): on CUDA (with the kernels and
+  `KernelConfig.int4_gemv`) every decoder projection becomes an `Int4Linear` that keeps the
+  weights packed (repacked at load into kernels/int4_gemv.py's row layout), decode rows run the
+  Triton int4 GEMV; elsewhere the weights are dequantized to the model dtype while loading and
+  the model runs as an unquantized one.
+- **int4 round-to-nearest at load** (`--quantization int4`): AWQ's asymmetric grid, groups of 128
+  input columns, the same two ways: packed `Int4Linear`s on CUDA, kept dequantized elsewhere
+  (W4A16's accuracy at the model dtype's memory and speed).
 - FP8 KV scales a checkpoint carries (`self_attn.k_scale` / `v_scale`, or compressed-tensors'
   `k_proj.output_scale` / `v_proj.output_scale`) are collected for an FP8 KV pool.
 """
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radix_runtime.worker.kernels import fp8_quant
+from radix_runtime.worker.kernels.int4_gemv import dequantize_int4, pack_int4_rows
 from radix_runtime.worker.layers.linear import Linear
 from radix_runtime.worker.model_config import UnsupportedModel
 
@@ -138,7 +142,7 @@ def quantize_model_fp8(model: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# int4 round-to-nearest at load (accuracy only: the weights stay dequantized)
+# int4 weight-only (W4A16)
 
 INT4_GROUP = 128
 
@@ -152,22 +156,104 @@ def int4_group_size(k: int) -> int:
     return g
 
 
-def rtn_int4(w: torch.Tensor) -> torch.Tensor:
-    """W [N, K] rounded to the asymmetric int4 grid of AWQ (per group of input columns: scale =
-    (max - min) / 15, integer zero point), returned dequantized in W's dtype."""
+def rtn_int4_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """W [N, K] on the asymmetric int4 grid of AWQ (per group of input columns: scale =
+    (max - min) / 15, integer zero point): (q [N, K], zeros [N, K/g], float32 scales [N, K/g], g)."""
     n, k = w.shape
-    g = w.float().reshape(n, k // int4_group_size(k), -1)
+    group = int4_group_size(k)
+    g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     scale = (hi - lo).clamp(min=1e-8) / 15
     zero = torch.round(-lo / scale).clamp(0, 15)
     q = torch.round(g / scale + zero).clamp(0, 15)
-    return ((q - zero) * scale).reshape(n, k).to(w.dtype)
+    return q.reshape(n, k).to(torch.uint8), zero[..., 0].to(torch.uint8), scale[..., 0], group
 
 
-def quantize_model_int4_rtn(model: nn.Module) -> None:
-    """--quantization int4: every decoder projection rounded to int4 (`rtn_int4`) in place."""
-    for _, _, layer in decoder_linears(model):
-        layer.weight.data = rtn_int4(layer.weight.data)
+def rtn_int4(w: torch.Tensor) -> torch.Tensor:
+    """`rtn_int4_parts`, returned dequantized in W's dtype."""
+    q, zero, scale, group = rtn_int4_parts(w)
+    return dequantize_groups(q, zero, scale, group).to(w.dtype)
+
+
+def dequantize_groups(
+    q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """q [N, K], zeros and scales [N, ceil(K/g)] -> float32 W [N, K] = (q - zero) * scale."""
+    k = q.shape[1]
+    z = zeros.float().repeat_interleave(group_size, dim=1)[:, :k]
+    s = scales.float().repeat_interleave(group_size, dim=1)[:, :k]
+    return (q.float() - z) * s
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b) with W kept packed: int4 values (kernels/int4_gemv.py's layout, int32
+    [N, K/8]), float32 scales and uint8 zero points per group of `group_size` input columns.
+    On CUDA the fused path runs decode rows through the Triton int4 GEMV (`FusedOps.project`);
+    this forward (any other caller, prefill) dequantizes the weight for each call."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int
+    ) -> None:
+        super().__init__()
+        groups = -(-in_features // group_size)
+        self.group_size = group_size
+        self.qweight = nn.Parameter(
+            torch.empty(out_features, in_features // 8, dtype=torch.int32), requires_grad=False
+        )
+        self.scales = nn.Parameter(
+            torch.empty(out_features, groups, dtype=torch.float32), requires_grad=False
+        )
+        self.zeros = nn.Parameter(
+            torch.empty(out_features, groups, dtype=torch.uint8), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> Int4Linear:
+        """Round a loaded projection to int4 (`rtn_int4_parts`) and pack it."""
+        out_f, in_f = linear.weight.shape
+        q, zero, scale, group = rtn_int4_parts(linear.weight.data)
+        with torch.device("meta"):
+            layer = cls(in_f, out_f, linear.bias is not None, linear.weight.dtype, group)
+        layer.qweight = nn.Parameter(pack_int4_rows(q), requires_grad=False)
+        layer.scales = nn.Parameter(scale.contiguous(), requires_grad=False)
+        layer.zeros = nn.Parameter(zero.contiguous(), requires_grad=False)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype)
+        return F.linear(x, w, self.bias)
+
+
+def use_int4_layers(model: nn.Module, device: torch.device, scheme: dict[str, Any]) -> None:
+    """Before loading an AWQ / GPTQ checkpoint packed (`int4_checkpoint(packed=True)`): every
+    decoder projection becomes an empty Int4Linear of the scheme's group size."""
+    for parent, name, layer in decoder_linears(model):
+        out_f, in_f = layer.weight.shape
+        group = scheme["group_size"] if scheme["group_size"] > 0 else in_f
+        with torch.device(device):
+            setattr(
+                parent,
+                name,
+                Int4Linear(in_f, out_f, layer.bias is not None, layer.weight.dtype, group),
+            )
+    model.quantization = scheme["method"]
+
+
+def quantize_model_int4_rtn(model: nn.Module, packed: bool = False) -> None:
+    """--quantization int4: every decoder projection rounded to int4 (`rtn_int4_parts`): packed
+    into an Int4Linear (`packed`: CUDA with the int4 GEMV), else kept dequantized in place."""
+    for parent, name, layer in decoder_linears(model):
+        if packed:
+            setattr(parent, name, Int4Linear.from_linear(layer))
+        else:
+            layer.weight.data = rtn_int4(layer.weight.data)
     model.quantization = "int4"
 
 
@@ -208,9 +294,11 @@ def int4_checkpoint(
     scheme: dict[str, Any],
     dtype: torch.dtype,
     kv_scales: dict[int, list[float]],
+    packed: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """AWQ / GPTQ tensors -> HF-named float weights in `dtype` (each projection once its qweight,
-    qzeros and scales have all been read: safetensors files list keys in any order)."""
+    """AWQ / GPTQ tensors -> HF-named float weights in `dtype`, or with `packed` the Int4Linear
+    tensors (`qweight`, `scales`, `zeros` in kernels/int4_gemv.py's layout); each projection once
+    its qweight, qzeros and scales have all been read (safetensors files list keys in any order)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in weights:
         if _take_kv_scale(name, t, kv_scales):
@@ -226,15 +314,17 @@ def int4_checkpoint(
         if len(got) == 3:
             del parts[prefix]
             if scheme["method"] == "awq":
-                w = dequantize_awq(
-                    got["qweight"], got["qzeros"], got["scales"], scheme["group_size"]
-                )
+                q, z, s = unpack_awq(got["qweight"], got["qzeros"], got["scales"])
             else:
-                w = dequantize_gptq(
-                    got["qweight"], got["qzeros"], got["scales"], scheme["group_size"],
-                    zero_offset=scheme.get("zero_offset", 1),
-                )  # fmt: skip
-            yield f"{prefix}.weight", w.to(dtype)
+                q, z, s = unpack_gptq(got["qweight"], got["qzeros"], got["scales"],
+                                      zero_offset=scheme.get("zero_offset", 1))  # fmt: skip
+            group = scheme["group_size"] if scheme["group_size"] > 0 else q.shape[1]
+            if packed:
+                yield f"{prefix}.qweight", pack_int4_rows(q)
+                yield f"{prefix}.scales", s.contiguous()
+                yield f"{prefix}.zeros", z.to(torch.uint8).contiguous()
+            else:
+                yield f"{prefix}.weight", dequantize_groups(q, z, s, group).to(dtype)
     if parts:
         raise ValueError(f"incomplete int4 tensors for {sorted(parts)[:4]} (qweight/qzeros/scales)")
 
@@ -249,34 +339,23 @@ def _unpack_int4(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     return out.reshape(p.shape[0], -1)
 
 
-def dequantize_awq(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """AutoAWQ GEMM layout: qweight [K, N/8], qzeros [K/g, N/8], scales [K/g, N] -> W [N, K]."""
-    q = _unpack_int4(qweight, AWQ_ORDER).float()  # [K, N]
-    z = _unpack_int4(qzeros, AWQ_ORDER).float()  # [K/g, N]
-    s = scales.float()
-    k = q.shape[0]
-    g = group_size if group_size > 0 else k
-    w = (q - z.repeat_interleave(g, dim=0)[:k]) * s.repeat_interleave(g, dim=0)[:k]
-    return w.t().contiguous()
+def unpack_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoAWQ GEMM layout: qweight [K, N/8], qzeros [K/g, N/8], scales [K/g, N] -> q [N, K],
+    zeros [N, K/g], float32 scales [N, K/g]."""
+    q = _unpack_int4(qweight, AWQ_ORDER).t()
+    z = _unpack_int4(qzeros, AWQ_ORDER).t()
+    return q, z, scales.float().t()
 
 
-def dequantize_gptq(
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    group_size: int,
-    zero_offset: int = 1,
-) -> torch.Tensor:
+def unpack_gptq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, zero_offset: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ (AutoGPTQ / GPTQModel): qweight [K/8, N] packed along the input dim, qzeros [K/g, N/8]
     packed along the output dim, both in plain order; format v1 stores zero - 1 (`zero_offset`
-    1), v2 the zero itself. -> W [N, K]."""
+    1), v2 the zero itself. -> q [N, K], zeros [N, K/g], float32 scales [N, K/g]."""
     order = tuple(range(8))
-    q = _unpack_int4(qweight.t().contiguous(), order).t().float()  # [K, N]
-    z = _unpack_int4(qzeros, order).float() + zero_offset  # [K/g, N]
-    s = scales.float()
-    k = q.shape[0]
-    g = group_size if group_size > 0 else k
-    w = (q - z.repeat_interleave(g, dim=0)[:k]) * s.repeat_interleave(g, dim=0)[:k]
-    return w.t().contiguous()
+    q = _unpack_int4(qweight.t().contiguous(), order)  # [N, K]
+    z = _unpack_int4(qzeros, order).t() + zero_offset
+    return q, z, scales.float().t()

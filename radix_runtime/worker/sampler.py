@@ -109,8 +109,13 @@ class Sampler:
         eos_token_ids: list[int] = (),
         grammars: GrammarCache | None = None,
         jump_forward: bool = False,
+        fill_threads: int = 0,
     ) -> None:
         self.vocab_size = vocab_size
+        # threads filling a batch's grammar masks (xgrammar's BatchGrammarMatcher); 0: one
+        # matcher after another on the step's thread
+        self.fill_threads = fill_threads
+        self._batch_masks = None
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.grammars = grammars  # None: constrained decoding is not available
@@ -171,6 +176,15 @@ class Sampler:
     # ------------------------------------------------------------------------------------------
     # constraints: grammar masks and min_tokens
 
+    def has_grammar(self, slots: list[int]) -> bool:
+        """Whether a slot's next token is constrained by a grammar (its mask needs the slot's
+        previous token on the host)."""
+        return any(
+            (g := self.slots[s].grammar) is not None and not g.finished
+            for s in slots
+            if s in self.slots
+        )
+
     def constrained(self, slots: list[int]) -> bool:
         return any(
             (st := self.slots[s]).grammar is not None or st.outputs < st.params.min_tokens
@@ -181,35 +195,51 @@ class Sampler:
         """Mask `logits` [B, V] in place: a grammar's disallowed tokens, and the EOS and stop ids
         of rows that have generated fewer than min_tokens (a grammar that can only stop wins)."""
         states = [self.slots[s] for s in slots]
-        grammar_rows, stop_rows = [], []
-        bitmask = None
-        for i, st in enumerate(states):
-            short = st.outputs < st.params.min_tokens
-            if st.grammar is None:
-                if short:
-                    stop_rows.append(i)
-                continue
-            if bitmask is None:
-                import xgrammar as xgr  # a constrained slot exists: the backend loaded it
+        grammars = [st.grammar for st in states]
+        masks = self.grammar_masks(slots, pinned=logits.is_cuda)
+        # min_tokens: a grammar's rows have their stop ids cleared from the grammar's mask
+        stop_rows = [
+            i
+            for i, st in enumerate(states)
+            if grammars[i] is None and st.outputs < st.params.min_tokens
+        ]
+        if masks is not None:
+            import xgrammar as xgr  # a constrained slot exists: the backend loaded it
 
-                from radix_runtime.grammar.matcher import clear_tokens
+            from radix_runtime.grammar.matcher import clear_tokens
 
-                bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
-            if st.grammar.fill(bitmask, i):
-                if short:
-                    clear_tokens(bitmask[i], self._stop_ids(st.params))
-                grammar_rows.append(i)
-        if grammar_rows:
-            xgr.apply_token_bitmask_inplace(
-                logits,
-                bitmask.to(logits.device, non_blocking=False),
-                vocab_size=self.vocab_size,
-                indices=grammar_rows,
-            )
+            bitmask, rows = masks
+            for i in rows:
+                if states[i].outputs < states[i].params.min_tokens:
+                    clear_tokens(bitmask[i], self._stop_ids(states[i].params))
+            if rows and logits.is_cuda:
+                # queued behind the forward, from pinned memory: the host does not wait for the
+                # device; one kernel over the batch (unconstrained rows allow every token)
+                device_mask = bitmask.to(logits.device, non_blocking=True)
+                xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size)
+            elif rows:
+                xgr.apply_token_bitmask_inplace(
+                    logits, bitmask, vocab_size=self.vocab_size, indices=rows
+                )
         for i in stop_rows:
             ids = [t for t in self._stop_ids(states[i].params) if 0 <= t < self.vocab_size]
             if ids:
                 logits[i].index_fill_(0, to_device(ids, torch.long, self.device), float("-inf"))
+
+    def grammar_masks(
+        self, slots: list[int], pinned: bool = False
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The grammar masks of a batch (row i: slots[i]) once each slot's pending token is
+        accepted: (int32 bitmask [B, ceil(V/32)], the rows to mask), None without any; the
+        host's whole share of constrained decoding in a step (bench/grammar_host.py times it)."""
+        grammars = [self.slots[s].grammar for s in slots]
+        if all(g is None for g in grammars):
+            return None
+        if self._batch_masks is None:
+            from radix_runtime.grammar.matcher import BatchMasks
+
+            self._batch_masks = BatchMasks(self.vocab_size, self.fill_threads)
+        return self._batch_masks.fill(grammars, pinned)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         return list(dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids]))

@@ -88,3 +88,41 @@ def test_constrained_launch_ahead_equals_synchronous(graphs):
     assert ahead == sync
     text = bytes(b for t in sync for b in runner.grammars.info.decoded_vocab[t]).decode()
     assert is_prefix(text), text
+
+
+def test_masks_are_queued_without_waiting_for_the_device():
+    """The grammar path never drains the stream: the mask goes up from pinned memory with a
+    non-blocking copy, so while a long kernel still runs the host has already queued the mask
+    and the sampling behind it (a blocking copy would return only after the kernel)."""
+    from grammar_steps import EOS, grammar_cache
+
+    from radix_runtime.messages import SamplingParams
+    from radix_runtime.worker.sampler import Sampler
+
+    tokenizer, cache = grammar_cache()
+    cache.submit("regex", REGEX)
+    for threads in (0, 2):
+        sampler = Sampler(
+            tokenizer.vocab_size, CUDA, seed=0, eos_token_ids=[EOS], grammars=cache,
+            fill_threads=threads,
+        )  # fmt: skip
+        slots = [0, 1, 2]
+        logits = torch.zeros(len(slots), tokenizer.vocab_size, device=CUDA)
+        logits[:, tokenizer.encode("x", add_special_tokens=False)[0]] = 10.0  # never allowed
+
+        def reset(sampler=sampler):
+            sampler.reset_slot(0, SamplingParams(temperature=0.0, regex=REGEX))
+            sampler.reset_slot(1, SamplingParams(temperature=0.0))
+            sampler.reset_slot(2, SamplingParams(temperature=0.0, regex=REGEX, min_tokens=4))
+
+        reset()
+        sampler.sample_on_device(logits.clone(), slots, [False] * 3, [0] * 3)  # compiles kernels
+        reset()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of device time
+        ids = sampler.sample_on_device(logits, slots, [False] * 3, [0] * 3).next_ids
+        assert not torch.cuda.current_stream().query(), "the host waited for the device"
+        host = ids.cpu().tolist()
+        text = [tokenizer.decode([t]) for t in host]
+        assert is_prefix(text[0]) and is_prefix(text[2]), text
+        assert text[1] == "x"  # the unconstrained row is not masked

@@ -35,6 +35,7 @@ def runner_factory():
             args.model_config,
             args.page_size,
             args.max_total_tokens,
+            args.grammar_fill_threads,
         )
         if key not in cache:
             cache[key] = ModelRunner(args)
@@ -43,17 +44,26 @@ def runner_factory():
     return make
 
 
-def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None):
+def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None, defer=False):
     """The scheduler process's step loop (`scheduler.main.advance`) with the runner in-process
     (`namespaces[i]`: request i's cache namespace, "" the public one): with the overlap schedule
     on (args.disable_overlap_schedule False) step N+1 is launched before step N is collected,
-    its decoders feeding the tokens step N sampled from the device (from_last_sample)."""
+    its decoders feeding the tokens step N sampled from the device (from_last_sample). `defer`:
+    launched as the worker process does, a constrained step's sampling queued after the step
+    before it was collected (`ModelRunner.launch(defer_sample=True)`)."""
     sched = Scheduler(args, runner.ready_info())
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
     step = 0
     inflight = None  # (plan, runner.launch(batch))
     ahead_steps = 0
+    deferred = 0
+
+    def send(batch, _plan):
+        nonlocal deferred
+        launched = runner.launch(batch, defer_sample=defer and inflight is not None)
+        deferred += launched.deferred is not None
+        return launched
 
     def finish(plan, launched):
         sched.process_result(plan, runner.collect(launched))
@@ -76,7 +86,7 @@ def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None):
             time.sleep(0.002)
         for done in runner.finished_compiles():
             sched.grammar_compiled(done)
-        inflight, _ = advance(sched, inflight, lambda batch, _plan: runner.launch(batch), finish)
+        inflight, _ = advance(sched, inflight, send, finish)
         ahead_steps += inflight is not None  # what stays in flight was built ahead
         for out in sched.take_outputs():
             assert out.error is None, out.error
@@ -88,6 +98,8 @@ def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None):
         m.ForwardBatch(step=0, reqs=[], released_slots=list(range(args.max_running_requests)))
     )
     assert (ahead_steps > 0) == (not args.disable_overlap_schedule)
+    if defer and sampling.grammar is not None and ahead_steps and not args.enable_jump_forward:
+        assert deferred > 0, "no constrained step had its sampling deferred"
     return outputs, sched
 
 
@@ -266,10 +278,16 @@ def test_constrained_greedy_cache_overlap_and_retraction(runner_factory, kind):
     assert sched.cached_tokens_total > 100
     overlap = base.replace(disable_overlap_schedule=False)
     assert run(runner, overlap, prompts, sampling, arrivals)[0] == off
+    # the worker process's order: the masks filled after the step before was collected, by
+    # xgrammar's batch matcher on threads
+    threaded = overlap.replace(grammar_fill_threads=2)
+    assert (
+        run(runner_factory(threaded), threaded, prompts, sampling, arrivals, defer=True)[0] == off
+    )
     small = base.replace(max_total_tokens=300, schedule_conservativeness=0.0)
     small_runner = runner_factory(small)
-    for args in (small, small.replace(disable_overlap_schedule=False)):
-        pressed, sched = run(small_runner, args, prompts, sampling, [0] * len(prompts))
+    for args, defer in ((small, False), (small.replace(disable_overlap_schedule=False), True)):
+        pressed, sched = run(small_runner, args, prompts, sampling, [0] * len(prompts), defer=defer)
         assert pressed == off
         assert sched.retractions > 0
     # the outputs follow the grammar (the model is random: only the grammar shapes them)
@@ -336,7 +354,12 @@ def test_jump_forward_valid_fewer_steps_and_cache_equivalent(runner_factory):
             runner, jump_args.replace(disable_radix_cache=True), prompts, sampling, arrivals
         )
         ahead, _ = run(
-            runner, jump_args.replace(disable_overlap_schedule=False), prompts, sampling, arrivals
+            runner,
+            jump_args.replace(disable_overlap_schedule=False),
+            prompts,
+            sampling,
+            arrivals,
+            defer=True,
         )
     finally:
         runner.sampler.jump_forward = False

@@ -1,8 +1,9 @@
 """The host tier never changes outputs: greedy outputs with --enable-hierarchical-cache equal the
 cache-off and the device-only-cache outputs, with a device pool far smaller than the working set
 (multi-turn conversations whose histories are evicted from the device and come back), page size
-1 and 16, the overlap schedule on and off. The scheduler and the worker's ModelRunner run
-in-process through the scheduler's own step loop (test_cache_equivalence.run)."""
+1 and 16, the overlap schedule on and off, the Python and the C++ tree. The scheduler and the
+worker's ModelRunner run in-process through the scheduler's own step loop
+(test_cache_equivalence.run); one test runs a real server (`--radix-tree-impl cpp`)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_host_tier_outputs_equal_cache_off_and_device_only(page_size, pool):
         device="cpu",
         disable_overlap_schedule=True,
     )
-    tiered = base.replace(enable_hierarchical_cache=True, hicache_ratio=8.0, radix_tree_impl="auto")
+    tiered = base.replace(enable_hierarchical_cache=True, hicache_ratio=8.0)
     device_runner = ModelRunner(base)
     tiered_runner = ModelRunner(tiered)
     prompts, arrivals = conversations(device_runner.ready_info().vocab_size)
@@ -57,13 +58,51 @@ def test_host_tier_outputs_equal_cache_off_and_device_only(page_size, pool):
             device_runner, base.replace(radix_tree_impl=impl), prompts, greedy, arrivals
         )
         assert device_only == off
-    for overlap_off in (True, False):
-        args = tiered.replace(disable_overlap_schedule=overlap_off)
+    for impl, overlap_off in (("python", True), ("python", False), ("cpp", True), ("cpp", False)):
+        args = tiered.replace(disable_overlap_schedule=overlap_off, radix_tree_impl=impl)
         on, sched = run(tiered_runner, args, prompts, greedy, arrivals)
         assert on == off
-        assert sched.tree_impl == "python"
+        assert sched.tree_impl == impl
         stats = sched.cache_stats()
         # the host tier served hits the device-only cache had lost
         assert sched.host_cached_tokens_total > 0 and stats.host_loaded_bytes > 0
         assert stats.host_written_bytes > 0
         assert sched.cached_tokens_total > dev_sched.cached_tokens_total
+
+
+def test_server_with_the_cpp_tree_and_the_host_tier_keeps_greedy_outputs(tmp_path):
+    """A real server (`--radix-tree-impl cpp`, the host tier on, a 64-token device pool):
+    multi-turn conversations sent a turn at a time (one /generate batch per turn) give the same
+    greedy tokens as the same prompts computed without any reuse (each under its own cache
+    salt, so it matches nothing), and the host tier served part of them."""
+    from server_support import start_server
+
+    server = start_server(
+        str(tmp_path), "--load-format", "dummy", "--model-config", "tiny-llama",
+        "--device", "cpu", "--max-total-tokens", "64", "--chunked-prefill-size", "32",
+        "--enable-hierarchical-cache", "--hicache-ratio", "8", "--radix-tree-impl", "cpp",
+    )  # fmt: skip
+    try:
+        prompts, _ = conversations(vocab=500)
+        sampling = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+        with server.client(timeout=120) as c:
+            assert c.get("/get_server_info").json()["cache"]["tree"] == "cpp"
+            fresh = []
+            for i, p in enumerate(prompts):
+                body = {"input_ids": p, "sampling_params": sampling, "cache_salt": f"own-{i}"}
+                r = c.post("/generate", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["meta_info"]["cached_tokens"] == 0
+                fresh.append(r.json()["output_ids"])
+            reused, host_cached = [], 0
+            for turn in range(3):  # 5 conversations a turn, together
+                batch = prompts[5 * turn : 5 * turn + 5]
+                r = c.post("/generate", json={"input_ids": batch, "sampling_params": sampling})
+                assert r.status_code == 200, r.text
+                reused += [out["output_ids"] for out in r.json()]
+                host_cached += sum(out["meta_info"]["host_cached_tokens"] for out in r.json())
+            cache = c.get("/get_server_info").json()["cache"]
+        assert reused == fresh
+        assert host_cached > 0 and cache["host_loads"] > 0
+    finally:
+        assert server.stop() is not None

@@ -82,6 +82,60 @@ def test_clear_tokens_keeps_a_row_that_can_only_stop():
     assert bits(only_stop) == {2}  # the grammar can only stop: min_tokens gives way
 
 
+def _masks_over_steps(fill_threads: int, steps: int = 12) -> list[torch.Tensor]:
+    """The bitmasks of a batch mixing unconstrained rows, a min_tokens row and grammars that
+    end early, filled by `fill_threads` threads, as the same tokens are sampled."""
+    from grammar_steps import EOS, REGEX
+
+    from radix_runtime.messages import SamplingParams
+    from radix_runtime.worker.sampler import Sampler
+
+    tokenizer, cache = grammar_cache()
+    cache.submit("regex", REGEX)
+    cache.submit("regex", "[0-9]{2}")
+    sampler = Sampler(
+        tokenizer.vocab_size, CPU, seed=0, eos_token_ids=[EOS], grammars=cache,
+        fill_threads=fill_threads,
+    )  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.0, regex=REGEX),
+        SamplingParams(temperature=0.0),  # unconstrained: no mask row
+        SamplingParams(temperature=0.0, regex="[0-9]{2}"),  # ends after 2 tokens + EOS
+        SamplingParams(temperature=0.0, regex=REGEX, min_tokens=6),
+        SamplingParams(temperature=0.0, min_tokens=3),
+    ]
+    slots = list(range(len(params)))
+    for slot, p in zip(slots, params):
+        sampler.reset_slot(slot, p)
+    gen = torch.Generator().manual_seed(1)
+    masks, masked = [], []
+    for step in range(steps):
+        logits = torch.randn(len(slots), tokenizer.vocab_size, generator=gen) * 4
+        found = sampler.grammar_masks(slots)
+        assert found is not None
+        bitmask, rows = found
+        masks.append(bitmask.clone())
+        masked.append(rows)
+        assert 1 not in rows and 4 not in rows  # only the grammars' rows are masked
+        if step == 0:  # an unconstrained row allows every token
+            assert len(bits(bitmask[1])) == 32 * bitmask.shape[1]
+        sampler.apply_constraints(logits, slots)  # the same masks (no token pending now)
+        ids = logits.argmax(dim=-1)
+        sampler.note_sampled(slots, step, ids, None)
+    assert 2 in masked[0] and 2 not in masked[-1]  # that grammar ended on the way
+    return masks
+
+
+def test_batch_fill_on_threads_equals_one_by_one():
+    """xgrammar's BatchGrammarMatcher on threads fills the same masks as the matchers one by one
+    (grammars that finish, unconstrained and min_tokens rows in the batch)."""
+    one_by_one = _masks_over_steps(0)
+    threaded = _masks_over_steps(2)
+    assert len(one_by_one) == len(threaded)
+    for a, b in zip(one_by_one, threaded):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # the scheduler's side: a request waits for its grammar without holding anything up
 

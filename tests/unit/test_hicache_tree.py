@@ -167,7 +167,7 @@ class TieredMachine(RuleBasedStateMachine):
                 self.cache.load_back(m.host_node, got)
                 pages = np.concatenate([m.pages, got])
                 node, length = m.host_node, m.length + m.host_length
-                self.cache.lock(node)
+            self.cache.lock(node)  # the request's own lock (m.node when the load failed)
             self.cache.unlock(m.host_node)
         else:
             self.cache.lock(node)
@@ -394,7 +394,8 @@ def test_insert_over_host_nodes_adopts_the_callers_pages():
     cache.check_integrity()
 
 
-def test_flush_drops_both_tiers():
+@pytest.mark.parametrize("impl", ["python", "cpp"])
+def test_flush_drops_both_tiers(impl):
     from radix_runtime.config import ServerArgs
     from radix_runtime.messages import WorkerReady
     from radix_runtime.scheduler.scheduler import Scheduler
@@ -404,12 +405,15 @@ def test_flush_drops_both_tiers():
         device="cpu", dtype="float32", attention_backend="torch", host_num_pages=17,
         kv_bytes_per_token=8,
     )  # fmt: skip
-    sched = Scheduler(ServerArgs(enable_hierarchical_cache=True, radix_tree_impl="auto"), ready)
-    assert sched.host_allocator is not None and sched.tree_impl == "python"
+    if impl == "cpp":
+        pytest.importorskip("radix_runtime.scheduler.radix_cache_cpp")
+    sched = Scheduler(ServerArgs(enable_hierarchical_cache=True, radix_tree_impl=impl), ready)
+    assert sched.host_allocator is not None and sched.tree_impl == impl
     _cache_one(sched.cache, [1, 2, 3, 4], sched.allocator)
     sched.cache.evict(2)
     sched.flush_cache()
     assert sched.cache.stats()["nodes"] == 0
     assert sched.host_allocator.free_pages == sched.host_allocator.total_pages
+    sched.check_integrity()
     info = sched.cache_stats()
     assert info.host_total_pages == 16 and info.host_written_bytes == 0

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs, add_server_args, args_from_namespace
-from radix_runtime.scheduler.stats import SCHEDULER_HISTOGRAMS, SchedulerStats
+from radix_runtime.scheduler.stats import SCHEDULER_HISTOGRAMS, Counters, SchedulerStats
 from radix_runtime.server.http_server import build_app
 from radix_runtime.server.metrics import Metrics, RequestTiming
 from radix_runtime.utils.histogram import Histogram
@@ -76,11 +76,14 @@ def test_reports_add_up_to_the_totals(overlap):
 
 
 def test_a_report_starts_the_increments_again():
-    stats = SchedulerStats()
-    stats.admitted(10, 4, 0.01)
+    counters = Counters()
+    stats = SchedulerStats(counters)
+    counters.prompt_tokens_total += 10
+    counters.cached_tokens_total += 4
+    stats.admitted(0.01)
     stats.step(3, 40, 0.02, 0.015)
-    stats.retractions += 1
-    stats.evicted_pages += 7
+    counters.retractions += 1
+    counters.evicted_pages += 7
 
     class Sched:  # the attributes report() reads
         running, waiting, page_size = [], [], 1
@@ -102,6 +105,8 @@ def test_a_report_starts_the_increments_again():
                                      "forward_time"}  # fmt: skip
     second = stats.report(Sched)
     assert second.prompt_tokens == second.evicted_pages == 0 and not second.histograms
+    counters.prompt_tokens_total += 5  # the totals only grow; a report carries what is new
+    assert stats.report(Sched).prompt_tokens == 5
     assert set(SCHEDULER_HISTOGRAMS) >= set(first.histograms)
     # the HTTP side: two applications, no decrease whatever the scheduler's counters do
     metrics = Metrics("m")
@@ -182,3 +187,35 @@ def test_disable_metrics_removes_the_route():
     assert off.get("/dashboard").status_code == 200
     on = TestClient(build_app(Manager(), ServerArgs()), raise_server_exceptions=False)
     assert on.get("/metrics").status_code == 503  # the manager has not started
+
+
+@pytest.mark.parametrize("disable", [False, True], ids=["metrics", "disable_metrics"])
+def test_the_scheduler_process_answers_metrics(tmp_path, disable):
+    """A MetricsReq gets the gauges and the increments since the previous answer; with
+    --disable-metrics, the gauges and no increments (an answer, so no request hangs)."""
+    from radix_runtime.scheduler.main import SchedulerProcess
+    from radix_runtime.scheduler.scheduler import Scheduler
+
+    args = ServerArgs(disable_metrics=disable, max_total_tokens=256, radix_tree_impl="python")
+    proc = SchedulerProcess(args, str(tmp_path))
+    try:
+        worker = ts.FakeWorker(257, 1, args.max_running_requests)
+        sched = proc.scheduler = Scheduler(args, worker.ready())
+        sent = []
+        proc.send_tok = sent.append
+        for rid in ("a", "b"):
+            prompt = m.pack_ids(list(range(1, 11)))
+            sched.add_request(m.GenerateReq(rid=rid, input_ids=prompt, sampling=m.SamplingParams()))
+        batch, plan = sched.schedule()
+        sched.process_result(plan, worker.forward(batch))
+        proc.handle(m.MetricsReq())
+        proc.handle(m.MetricsReq())
+        first, second = sent
+        assert (first.running_requests, first.waiting_requests) == (2, 0)
+        assert first.total_pages == 256 and first.free_pages < 256
+        assert first.prompt_tokens == (0 if disable else 20)
+        assert first.generation_tokens == (0 if disable else 2)
+        assert second.prompt_tokens == second.generation_tokens == 0 and not second.histograms
+        assert sched.prompt_tokens_total == 20  # the totals are kept either way
+    finally:
+        proc.ctx.destroy(linger=0)

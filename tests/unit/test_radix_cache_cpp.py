@@ -71,6 +71,10 @@ def same_match(a, b) -> None:
     assert a.pages.tolist() == b.pages.tolist()
     assert a.pages.dtype == b.pages.dtype == np.int32
     assert a.node.id == b.node.id
+    # the host tier's fields (without one: 0 and the matched node, None for a missing namespace)
+    assert a.host_length == b.host_length
+    assert (a.host_node is None) == (b.host_node is None)
+    assert a.host_node is None or a.host_node.id == b.host_node.id
 
 
 # ---------------------------------------------------------------- 1. differential property test

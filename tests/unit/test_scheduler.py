@@ -798,7 +798,6 @@ def test_schedule_ahead_falls_back_instead_of_retracting():
     # 2 decoders in a 15-token pool: after two steps and a run-ahead one, the step after the
     # next does not fit next to them (a retraction), so the run-ahead falls back
     sched, worker = decoding_scheduler(2, pool_tokens=15, max_new=40, conservativeness=0.0)
-    sched.args = sched.args.replace(disable_overlap_schedule=False)
     fell_back = False
     for _ in range(20):
         scheduled = sched.schedule()

@@ -25,3 +25,10 @@ class KernelConfig:
     # (BLOCK_N, BLOCK_K, num_warps) of the GEMV per (rows, cols, prologue, add): the H200's
     # table, updated from the sweep named by $RADIX_RUNTIME_GEMV_CONFIGS
     gemv_configs: GemvTable = field(default_factory=default_gemv_configs)
+    # int4 weights (AWQ / GPTQ checkpoints, --quantization int4) stay packed on the GPU and
+    # projections of up to int4_gemv_max_rows rows run the Triton int4 GEMV (larger ones
+    # dequantize the weight per call); False: dequantized to the model dtype at load
+    int4_gemv: bool = True
+    int4_gemv_max_rows: int = 8
+    # (BLOCK_N, BLOCK_KW, num_warps) of the int4 GEMV (None: kernels/int4_gemv.py's default)
+    int4_gemv_config: tuple[int, int, int] | None = None

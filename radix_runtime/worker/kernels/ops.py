@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radix_runtime.worker.kernels import activation, gemv, norms, rope
+from radix_runtime.worker.kernels import activation, gemv, int4_gemv, norms, rope
 from radix_runtime.worker.kernels.config import KernelConfig
 
 
@@ -51,7 +51,15 @@ class FusedOps:
     def project(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
         """A decoder projection: `linear` for a plain layer; for an FP8 one (worker/quant.py's
         Fp8Linear, which has a `weight_scale`) the scaled GEMV at one row, else its own forward
-        (FP8 tensor cores)."""
+        (FP8 tensor cores); for a packed int4 one (an Int4Linear, which has a `qweight`) the int4
+        GEMV up to `int4_gemv_max_rows` rows, else its own forward (dequantized per call)."""
+        qweight = getattr(layer, "qweight", None)
+        if qweight is not None:
+            if self.config.int4_gemv and x.shape[0] <= self.config.int4_gemv_max_rows:
+                y = int4_gemv.int4_gemv(x, qweight, layer.scales, layer.zeros, layer.group_size,
+                                        self.config.int4_gemv_config)  # fmt: skip
+                return y if layer.bias is None else y.add_(layer.bias)
+            return layer(x)
         scale = getattr(layer, "weight_scale", None)
         if scale is None:
             return self.linear(x, layer.weight, layer.bias)

@@ -28,6 +28,7 @@ from radix_runtime.worker.layers import (
 )
 from radix_runtime.worker.model_config import ModelConfig
 from radix_runtime.worker.models.checkpoint import fused_name, shard_rows, shards_of
+from radix_runtime.worker.quant import Int4Linear
 
 if TYPE_CHECKING:
     from radix_runtime.worker.kernels.ops import FusedOps
@@ -95,8 +96,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names mirror Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
 
-    # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers) | int4
-    # (rounded at load, kept dequantized)
+    # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers) | int4 / awq
+    # / gptq (packed Int4Linear layers on CUDA, dequantized weights elsewhere)
     quantization = "none"
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -146,7 +147,10 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
-        row_ok = not (c.qkv_bias or c.o_bias)  # (FP8 layers: the GEMV reads their scales)
+        # FP8 layers: the GEMV reads their scales; packed int4 ones take the per-projection path
+        row_ok = not (
+            c.qkv_bias or c.o_bias or isinstance(layers[0].self_attn.qkv_proj, Int4Linear)
+        )
         if h.shape[0] == 1 and ops.row_fusion and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h

@@ -1,0 +1,175 @@
+"""The host's share of a constrained decode step: accepting each row's sampled token and filling
+the batch's grammar masks (`Sampler.grammar_masks`), per step, in-process (no model, no server).
+
+    python bench/grammar_host.py [--batch 64] [--vocab 128256] [--steps 60]
+        [--threads 0,1,2,4] [--out docs/results/cpu_grammar_host.json]
+
+Every row is constrained by one of three grammars and decodes a fixed valid text from its own
+offset (so the rows are in different grammar states): bench/structured.py's long integer array,
+an object schema with strings, numbers, enums and a nested array, and any JSON. Per --threads
+value (0: the matchers one after another on the step's thread; N: xgrammar's
+BatchGrammarMatcher on N threads), the median host ms per step of accept + fill at each grammar,
+and the ratio to the 0-thread path measured in the same run.
+
+This is the work the worker does between step N's token reaching the host and step N+1's
+mask being queued; on a GPU it overlaps step N+1's forward (docs/structured_output.md), so it
+costs throughput only where it is longer than the forward. The mask's device copy and the
+apply kernel are device work and not timed here (on the CPU device the apply kernel is a
+separate cost, see the results file's `cpu_apply_ms`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench.common import provenance, write_json
+from bench.structured import LONG_ARRAY
+
+OBJECT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "score": {"type": "number"},
+        "tier": {"enum": ["gold", "silver", "bronze"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "score", "tier", "tags"],
+}
+
+
+def texts(steps: int) -> dict[str, tuple[tuple[str, str], str]]:
+    """grammar name -> ((kind, text), a valid output long enough for every offset + steps)."""
+    array = "[" + ", ".join(str(i * 7919 % 100000) for i in range(40 * steps))
+    obj = json.dumps(
+        {
+            "name": "Ada Lovelace of the Analytical Engine",
+            "age": 36,
+            "score": 98.25,
+            "tier": "gold",
+            "tags": [f"tag number {i} of the list" for i in range(4 * steps)],
+        },
+        separators=(", ", ": "),
+    )
+    anyjson = json.dumps(
+        [{"id": i, "text": f"item {i}", "ok": i % 2 == 0} for i in range(steps * 8)]
+    )
+    return {
+        "long_array": (("json_schema", json.dumps(LONG_ARRAY)), array),
+        "object": (("json_schema", json.dumps(OBJECT)), obj),
+        "any_json": (("json", ""), anyjson),
+    }
+
+
+def measure(sampler, params, ids: list[int], batch: int, steps: int) -> list[float]:
+    """Seconds of grammar_masks per step, for `batch` rows decoding `ids` from offsets i*3."""
+    slots = list(range(batch))
+    for slot in slots:
+        sampler.reset_slot(slot, params)
+        for tok in ids[: slot * 3]:
+            sampler.slots[slot].grammar.accept(tok)
+    times = []
+    for step in range(steps):
+        host_ids = torch.tensor([ids[slot * 3 + step] for slot in slots])
+        sampler.note_sampled(slots, step, host_ids, None)
+        t0 = time.perf_counter()
+        masks = sampler.grammar_masks(slots)
+        times.append(time.perf_counter() - t0)
+        assert masks is not None
+        for slot in slots:
+            assert sampler.slots[slot].grammar.error is None, sampler.slots[slot].grammar.error
+    for slot in slots:
+        sampler.release(slot)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=128256, help="logits width (Llama 3: 128256)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", default="0,1,2,4")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import xgrammar as xgr
+
+    from radix_runtime.grammar.compiler import GrammarCache
+    from radix_runtime.messages import ANY_JSON, SamplingParams
+    from radix_runtime.model_source import ModelNotFound
+    from radix_runtime.tokenizer import byte_tokenizer, load_tokenizer
+    from radix_runtime.worker.sampler import Sampler
+
+    try:
+        tokenizer = load_tokenizer("default")
+    except ModelNotFound:
+        tokenizer = byte_tokenizer()
+    cache = GrammarCache(lambda: tokenizer, args.vocab, list(tokenizer.eos_token_ids))
+    threads = [int(t) for t in args.threads.split(",")]
+    rows = []
+    for name, ((kind, text), output) in texts(args.steps).items():
+        cache.submit(kind, text)
+        cache.get(kind, text)
+        params = SamplingParams(
+            temperature=0.0,
+            max_new_tokens=1 << 20,
+            json_schema=text if kind == "json_schema" else ANY_JSON,
+        )
+        ids = tokenizer.encode(output, add_special_tokens=False)
+        assert len(ids) >= args.batch * 3 + args.steps, (name, len(ids))
+        row = {"grammar": name, "ms_per_step": {}}
+        samplers = {
+            n: Sampler(args.vocab, torch.device("cpu"), 0, [], cache, fill_threads=n)
+            for n in threads
+        }
+        samples: dict[int, list[float]] = {n: [] for n in threads}
+        for _ in range(args.repeats):  # interleaved: a busy machine slows every path alike
+            for n in threads:
+                samples[n] += measure(samplers[n], params, ids, args.batch, args.steps)[5:]
+        for n in threads:
+            row["ms_per_step"][str(n)] = statistics.median(samples[n]) * 1e3
+        base = row["ms_per_step"][str(threads[0])]
+        row["ratio_to_first"] = {k: v / base for k, v in row["ms_per_step"].items()}
+        rows.append(row)
+        print(
+            f"{name:>11}: "
+            + "  ".join(f"{k} threads {v:.3f} ms" for k, v in row["ms_per_step"].items())
+        )
+    logits = torch.randn(args.batch, args.vocab)
+    bitmask = xgr.allocate_token_bitmask(args.batch, args.vocab)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=args.vocab)
+    apply_ms = (time.perf_counter() - t0) / 5 * 1e3
+    print(f"CPU apply kernel (device work on a GPU): {apply_ms:.2f} ms per step")
+    result = {
+        "provenance": provenance(
+            "the 0-thread path (matchers filled one after another) in the same run"
+        ),
+        "config": {
+            "batch": args.batch,
+            "vocab": args.vocab,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "threads": threads,
+        },
+        "host_ms_per_step": rows,
+        "cpu_apply_ms": apply_ms,
+    }
+    if args.out:
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Packed int4 (W4A16) on the CPU: the torch reference of the int4 GEMV (kernels/int4_gemv.py)
+against the dequantized path the runtime takes without the kernel.
+
+The checkpoints are test_quant.py's (AWQ and GPTQ packed by plain torch code there); the packed
+layers hold the same numbers as the dequantized ones, so every projection's output must agree to
+float32 rounding. The Triton kernel itself is checked against the same reference on the GPU
+(tests/gpu/test_int4_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_quant import _args, _tiny_llama, make_checkpoint
+
+from radix_runtime.worker import quant
+from radix_runtime.worker.kernels.int4_gemv import (
+    dequantize_int4,
+    int4_gemv_torch,
+    pack_int4_rows,
+    unpack_int4_rows,
+)
+from radix_runtime.worker.layers import Linear
+from radix_runtime.worker.loader import load_model
+from radix_runtime.worker.model_config import config_from_hf_dict
+from radix_runtime.worker.models.registry import build_model
+
+CPU = torch.device("cpu")
+
+
+def test_pack_roundtrip_and_nibble_order():
+    q = torch.randint(0, 16, (5, 24))
+    packed = pack_int4_rows(q)
+    assert packed.shape == (5, 3) and packed.dtype == torch.int32
+    assert torch.equal(unpack_int4_rows(packed), q)
+    one = torch.zeros(1, 8, dtype=torch.int64)
+    one[0, 7] = 15  # column 7 is the top nibble of word 0: the int32's sign bit
+    assert pack_int4_rows(one).item() == -(1 << 28)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_packed_checkpoint_equals_the_dequantized_one(fmt, tmp_path):
+    """Every decoder projection of an AWQ / GPTQ checkpoint loaded packed (Int4Linear) against
+    the same checkpoint dequantized at load: equal weights, and the reference GEMV equal to the
+    dequantized layer's product."""
+    folder, _ = make_checkpoint(fmt, tmp_path)
+    args = _args(folder)
+    packed = load_model(args, CPU, torch.float32, packed_int4=True).model
+    plain = load_model(args, CPU, torch.float32).model
+    layers = dict(plain.named_modules())
+    checked = 0
+    for name, layer in packed.named_modules():
+        if not isinstance(layer, quant.Int4Linear):
+            continue
+        dense = layers[name]
+        assert isinstance(dense, Linear)
+        w = dequantize_int4(layer.qweight, layer.scales, layer.zeros, layer.group_size)
+        assert torch.equal(w, dense.weight)
+        x = torch.randn(3, dense.weight.shape[1])
+        want = F.linear(x, dense.weight)
+        got = int4_gemv_torch(x, layer.qweight, layer.scales, layer.zeros, layer.group_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        checked += 1
+    assert checked == 2 * 4  # 2 layers x (qkv, o, gate_up, down)
+    assert packed.quantization == fmt
+
+
+def test_rtn_packed_equals_rtn_dequantized():
+    """--quantization int4 on CUDA packs what it rounds; the CPU keeps it dequantized: the same
+    weights either way (groups of 128 columns, 64 where 128 does not divide)."""
+    torch.manual_seed(0)
+    for k in (256, 192):
+        dense = Linear(k, 40, True, torch.float32)
+        dense.weight.data.normal_(0, 0.1)
+        dense.bias.data.normal_(0, 0.1)
+        layer = quant.Int4Linear.from_linear(dense)
+        assert layer.group_size == (128 if k == 256 else 64)
+        want_w = quant.rtn_int4(dense.weight.data)
+        got_w = dequantize_int4(layer.qweight, layer.scales, layer.zeros, layer.group_size)
+        assert torch.equal(got_w, want_w)
+        x = torch.randn(2, k)
+        torch.testing.assert_close(layer(x), F.linear(x, want_w, dense.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_rtn_model_is_packed_when_asked():
+    net = build_model(config_from_hf_dict(_tiny_llama().config.to_dict()), CPU, torch.float32)
+    for p in net.parameters():
+        p.data.normal_(0, 0.1)
+    quant.quantize_model_int4_rtn(net, packed=True)
+    kinds = {type(layer) for _, _, layer in _projections(net)}
+    assert kinds == {quant.Int4Linear} and net.quantization == "int4"
+
+
+def _projections(net):
+    for parent in net.model.layers.modules():
+        for name, child in parent.named_children():
+            if name.endswith("_proj"):
+                yield parent, name, child
