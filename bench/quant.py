@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -134,10 +135,11 @@ INT4_CONFIGS = [(bn, bkw, w) for bn in (4, 8, 16) for bkw in (32, 64, 128, 256) 
 def gemv_int4_sweep(copies_bytes: float = 256e6) -> dict:
     """The int4 GEMV per (BLOCK_N, BLOCK_KW, warps) on each 8B projection, against the bf16 GEMV
     on the same shape: us per product and weight TB/s (packed bytes + scales + zeros), best
-    config first. Each variant runs over enough distinct weights to exceed L2, in one graph."""
+    config first; on gate_up also the GEMV, the int4 GEMM and cuBLAS (bf16) by input rows (the
+    KernelConfig thresholds). Each variant runs over distinct weights beyond L2, in one graph."""
     from bench.gemv_sweep import graph_us
     from radix_runtime.worker.kernels import gemv
-    from radix_runtime.worker.kernels.int4_gemv import int4_gemv, pack_int4_rows
+    from radix_runtime.worker.kernels.int4_gemv import int4_gemm, int4_gemv, pack_int4_rows
     from radix_runtime.worker.quant import rtn_int4_parts
 
     out = {}
@@ -167,6 +169,20 @@ def gemv_int4_sweep(copies_bytes: float = 256e6) -> dict:
             "int4_best_vs_bf16": bf16_us / sweep[best],
             "int4_us": {str(list(c)): t for c, t in sorted(sweep.items(), key=lambda kv: kv[1])},
         }
+        if (n, k) == (28672, 4096):  # where the GEMV, the GEMM and cuBLAS cross over in rows
+            w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            rows = {}
+            for m in (1, 2, 4, 8, 16, 64, 256):
+                xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                t = {"cublas_bf16_us": graph_us([lambda w=w, xm=xm: F.linear(xm, w) for w in w16])}
+                t["int4_gemm_us"] = graph_us([lambda p=p, xm=xm: int4_gemm(xm, *p) for p in packed])
+                if m <= 8:
+                    t["int4_gemv_us"] = graph_us(
+                        [lambda p=p, xm=xm: int4_gemv(xm, *p) for p in packed]
+                    )
+                rows[m] = t
+            out[f"{n}x{k}"]["by_rows"] = rows
+            del w16
         del packed
         torch.cuda.empty_cache()
         print("gemv_int4", f"{n}x{k}", {k2: v for k2, v in out[f"{n}x{k}"].items() if k2 != "int4_us"},

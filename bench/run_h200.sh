@@ -39,6 +39,9 @@
 #                    H200, each sizing its KV pool from half the memory; docs/scaling.md), router
 #                    policies cache_aware vs round_robin, token ids -> $OUT/h200_dp_router.json
 #                    (needs sglang-router from bench/fetch_device_wheels.sh)
+#   tp         (2+ GPUs: the nvidia-h200-x2 kind) tests/gpu/test_tensor_parallel_gpu.py, then
+#              bench/tensor_parallel.py: Llama-3.1-8B shape, --tp 2 vs --tp 1 decode tok/s at
+#              batch 1 and 64 -> $OUT/gpu_tests_tp.txt, $OUT/h200x2_tensor_parallel.json
 #   serving_roofline  issue 21's measurements, about 6 minutes: roofline_worker, then
 #                    roofline_serve:default, roofline_serve:interleave:--max-consecutive-prefill-steps,1
 #                    and roofline_serve:page16:--page-size,16
@@ -103,6 +106,11 @@ for stage in "${stages[@]}"; do
                 && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/h200_gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        tp)
+            python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider \
+                --timeout 300 2>&1 | tee "$OUT/gpu_tests_tp.txt" | tail -15 || status=1
+            timeout 540 python3 bench/tensor_parallel.py --model-config llama-3.1-8b --tp 2 \
+                --batch-sizes 1,64 --out "$OUT/h200x2_tensor_parallel.json" || status=1 ;;
         families)
             python3 -m pytest tests/gpu/test_model_families_gpu.py tests/gpu/test_kernels.py -q \
                 -p no:cacheprovider --timeout 200 -k "families or window or head_norms or gemma" \

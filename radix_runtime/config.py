@@ -77,6 +77,11 @@ class ServerArgs:
     dp_rank: int = 0  # this replica's index (set by the supervisor; tags its KV events)
     router_policy: str = "cache_aware"  # cache_aware | round_robin | power_of_two | random
     router_args: str = ""  # more sglang-router flags, in its own syntax
+    # tensor parallelism: N worker ranks each holding 1/N of every layer (docs/tensor_parallel.md)
+    tp: int = 1
+    nnodes: int = 1  # hosts the tp ranks span (each runs tp / nnodes of them)
+    node_rank: int = 0  # this host's index among them (0 runs the HTTP server and scheduler)
+    dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous (needed with nnodes > 1)
     # KV-cache events: a ZeroMQ PUB endpoint (e.g. tcp://*:5557) and its snapshot (replay) socket
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
@@ -172,6 +177,7 @@ class ServerArgs:
                 "--dp > 1 takes one --api-key: several keys, --api-key-file and "
                 "--cache-isolation api-key need a router that forwards each caller's key"
             )
+        self._validate_tp()
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown --router-policy {self.router_policy!r}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
@@ -190,6 +196,34 @@ class ServerArgs:
             raise ValueError(f"unknown --quantization {self.quantization!r}")
         if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
             raise ValueError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}")
+
+    def _validate_tp(self) -> None:
+        if self.tp < 1:
+            raise ValueError("--tp must be >= 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--node-rank must be in [0, --nnodes)")
+        if self.tp % self.nnodes:
+            raise ValueError(f"--tp {self.tp} does not divide over --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT")
+        if self.tp == 1:
+            return
+        # NOTE: each of these swaps or adds per-rank state that is not sharded yet; refused
+        # rather than served wrongly
+        unsupported = {
+            "--dp > 1": self.dp > 1,
+            f"--quantization {self.quantization}": self.quantization != "none",
+            f"--cpu-weight-format {self.cpu_weight_format}": self.cpu_weight_format
+            in ("int8", "int4"),
+            "--enable-hierarchical-cache": self.enable_hierarchical_cache,
+        }
+        for what, used in unsupported.items():
+            if used:
+                raise ValueError(f"--tp > 1 does not support {what} (docs/tensor_parallel.md)")
 
 
 # --max-running-requests by default: one slot per AUTO_TOKENS_PER_REQUEST tokens of KV pool,
@@ -247,6 +281,13 @@ _HELP = {
     "see docs/scaling.md",
     "dp_rank": "this replica's index among data-parallel replicas (set by --dp; on several hosts "
     "give each replica its own): tags its KV events",
+    "tp": "tensor parallelism: N worker processes (one per GPU; gloo over CPU cores without "
+    "CUDA), each holding 1/N of every layer's heads and MLP columns, joined by torch.distributed "
+    "(also --tp-size; docs/tensor_parallel.md)",
+    "nnodes": "hosts the --tp ranks span (multi-host tensor parallelism, as SGLang's --nnodes)",
+    "node_rank": "this host's index among --nnodes (node 0 serves HTTP and runs the scheduler)",
+    "dist_init_addr": "HOST:PORT of node 0 for the ranks' rendezvous (needed with --nnodes > 1; "
+    "default: a private file rendezvous, no port)",
     "router_policy": "the router's policy with --dp > 1 (cache_aware: a conversation goes to the "
     "replica that served its prefix)",
     "router_args": "more flags for the router with --dp > 1, in sglang-router's syntax, e.g. "
@@ -325,6 +366,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             elif f.name in ("max_total_tokens", "context_length", "max_running_requests"):
                 kwargs["type"] = int
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp", type=int,
+                        default=argparse.SUPPRESS, help="the same as --tp (SGLang's spelling)")  # fmt: skip
     # SGLang spells it --enable-metrics; here metrics are on unless --disable-metrics
     parser.add_argument(
         "--enable-metrics",

@@ -1,6 +1,9 @@
 """Starting the processes: the scheduler and worker children, watched by the tokenizer process.
 
-    tokenizer process (this one) ──▶ scheduler child ──▶ worker child
+    tokenizer process (this one) ──▶ scheduler child ──▶ worker child (one per --tp rank)
+
+With --nnodes > 1, node 0 runs all three roles and its share of the ranks; every other node
+runs only its ranks (`run_worker_node`), which join node 0's at --dist-init-addr.
 
 The parent notices a dead child (a watcher thread on the children's pids) and shuts down; the
 children die with the parent (PR_SET_PDEATHSIG plus a polling thread, see utils/procs.py).
@@ -17,21 +20,26 @@ from collections.abc import Callable
 from radix_runtime.config import ServerArgs
 from radix_runtime.model_source import ModelSource, resolve_model
 from radix_runtime.utils.procs import make_ipc_dir, spawn_child, terminate_children
+from radix_runtime.utils.tp import local_ranks, rank_role
 
 logger = logging.getLogger(__name__)
 
 
 class Children:
-    """The scheduler and worker processes of one server, and the watcher that notices deaths."""
+    """The scheduler and worker processes of one server (or of one node of a multi-node
+    tensor-parallel server: its ranks only), and the watcher that notices deaths: any of them
+    dying ends the server (a rank's peers would wait for it forever)."""
 
     def __init__(self, args: ServerArgs):
         self.args = args
         self.ipc_dir = make_ipc_dir()
         payload = {"args": args.to_json(), "ipc_dir": self.ipc_dir}
         self.procs: dict[str, subprocess.Popen] = {
-            "worker": spawn_child("radix_runtime.worker.main", payload),
-            "scheduler": spawn_child("radix_runtime.scheduler.main", payload),
+            rank_role(rank): spawn_child("radix_runtime.worker.main", {**payload, "tp_rank": rank})
+            for rank in local_ranks(args)
         }
+        if args.node_rank == 0:
+            self.procs["scheduler"] = spawn_child("radix_runtime.scheduler.main", payload)
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -80,3 +88,25 @@ def load_frontend(args: ServerArgs) -> tuple[ModelSource, object]:
     if source.kind == "dummy":
         return source, None
     return source, load_tokenizer(source)
+
+
+def run_worker_node(args: ServerArgs) -> int:
+    """A node other than 0 of a multi-node tensor-parallel server: run this node's ranks until
+    one of them exits (node 0's shutdown, or a death anywhere reaching them through a failed
+    collective) or this process is told to stop; then stop the rest."""
+    import signal
+
+    children = Children(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.info("node %d of %d: tp ranks %s", args.node_rank, args.nnodes, children.pids())
+    try:
+        while not stop.wait(0.2):
+            dead = children.dead_child()
+            if dead is not None:
+                logger.info("%s exited with code %d: stopping this node", *dead)
+                return 0 if dead[1] == 0 else 1
+        return 0
+    finally:
+        children.shutdown(grace=0.0)

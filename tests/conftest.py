@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from http_support import Served, served
 from server_support import DEFAULT_TEST_FLAGS, ServerHandle, free_port, start_server
 
 __all__ = ["DEFAULT_TEST_FLAGS", "ServerHandle", "free_port", "start_server"]
@@ -36,3 +37,20 @@ def launch_server(tmp_path):
     yield launch
     for h in handles:
         h.stop()
+
+
+@pytest.fixture(scope="module")
+def module_server():
+    """One app over the real TokenizerManager and a scripted scheduler (tests/http_support.py)
+    per test module, for tests that leave it healthy; use it through ``server``."""
+    with served() as s:
+        yield s
+
+
+@pytest.fixture
+def server(module_server) -> Served:
+    """The module's served app, with its scheduler's script and the recorded inputs reset."""
+    module_server.sched.reset()
+    module_server.manager.inputs.clear()
+    module_server.manager.draining = False
+    return module_server

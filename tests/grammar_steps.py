@@ -78,7 +78,7 @@ def run_constrained(device: torch.device, steps: int = 24) -> tuple[list[str], l
         sampler.note_sampled(live, step, host, None)
         for i, slot in enumerate(list(live)):
             outputs[slot].append(int(host[i]))
-            done, error, _ = sampler.grammar_status(slot, step)
+            done, error, _, _ = sampler.grammar_status(slot, step)
             assert error is None, error
             if done:
                 live.remove(slot)

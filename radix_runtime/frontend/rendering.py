@@ -279,7 +279,7 @@ class ChatRenderer(OpenAIRenderer):
         text, finish_reason, calls = chunk.text, chunk.finish_reason, []
         if self.tools is not None:
             text, calls, finish_reason = self._tool_step(state, chunk)
-        # the finish reason rides on the last content chunk, or follows the tool calls
+        # the finish reason rides on the last content chunk, or follows the tool call deltas
         final_here = finish_reason is not None and not calls
         if text or has_logprobs or final_here:
             choice = {
@@ -293,9 +293,8 @@ class ChatRenderer(OpenAIRenderer):
             if final_here:
                 choice["matched_stop"] = chunk.matched_stop
             out.append(self._chunk([choice]))
-        for call in calls:
-            for delta in call.deltas():
-                out.append(self._delta(state.index, {"tool_calls": [delta]}))
+        for delta in calls:
+            out.append(self._delta(state.index, {"tool_calls": [delta]}))
         if finish_reason is not None and calls:
             last = self._delta(state.index, {}, finish_reason)
             last["choices"][0]["matched_stop"] = chunk.matched_stop
@@ -307,15 +306,15 @@ class ChatRenderer(OpenAIRenderer):
         if parser is None:
             parser = self._parsers[state.index] = self.tools.new_parser()
         step = parser.feed(chunk.text)
-        text, calls = step.content, list(step.calls)
+        text, deltas = step.content, list(step.deltas)
         finish_reason = chunk.finish_reason
         if finish_reason is not None:
             last = parser.finish()
             text += last.content
-            calls += last.calls
+            deltas += last.deltas
             if parser.calls:
                 finish_reason = _tool_finish(finish_reason)
-        return text, calls, finish_reason
+        return text, deltas, finish_reason
 
 
 def _tool_finish(reason: str | None) -> str | None:

@@ -13,7 +13,9 @@ Output formats (the ``--tool-call-parser``):
 
 One incremental parser serves both streaming and non-streaming responses: a non-streamed reply
 is the same parser fed the whole text at once, so the streamed deltas always reassemble to the
-non-streamed message.
+non-streamed message. In the grammar-forced ``json`` format a call's arguments stream as they
+are generated (the name first, then argument fragments); in ``hermes`` / ``llama3`` a call is
+sent once it is complete and valid, since free text may turn out not to be a call.
 """
 
 from __future__ import annotations
@@ -312,20 +314,65 @@ class ToolCall:
         }
 
     def deltas(self) -> list[dict]:
-        """The OpenAI stream shape: the call's id and name, then its arguments."""
+        """The OpenAI stream shape: the call's id and name, then its arguments (none yet for a
+        call whose arguments stream)."""
         head = {
             "index": self.index,
             "id": self.id,
             "type": "function",
             "function": {"name": self.name, "arguments": ""},
         }
+        if not self.arguments:
+            return [head]
         return [head, {"index": self.index, "function": {"arguments": self.arguments}}]
 
 
 @dataclass
 class ParseStep:
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # calls started in this step
+    # OpenAI `tool_calls` stream deltas, in order: a call's id and name, then argument fragments
+    deltas: list[dict] = field(default_factory=list)
+
+
+# required: an item of the forced list up to its arguments object
+_LIST_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)'
+)
+
+
+class _ObjectScan:
+    """Where a JSON object starting at `pos` of a growing text ends (brackets outside strings)."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+
+    def advance(self, text: str) -> int:
+        """Scan what `text` added; the position scanned to (the object's end once done)."""
+        i = self.pos
+        while i < len(text) and not self.done:
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                self.done = self.depth == 0
+            i += 1
+        self.pos = i
+        return i
 
 
 def new_call_id() -> str:
@@ -355,6 +402,9 @@ class ToolCallParser:
         self._list_pos = 0  # json list: where the next item starts
         self._opened = False
         self._list_broken = False
+        # the call whose arguments are streaming (required / named: the grammar guarantees them)
+        self._streaming: tuple[ToolCall | None, _ObjectScan] | None = None
+        self._forced_state = "start"  # named: start | args | done | content
 
     # --- public
 
@@ -362,34 +412,84 @@ class ToolCallParser:
         self._buf += text
         if self.fmt == "hermes":
             return self._hermes(final=False)
-        if self.fmt == "json" and self.forced is None:
-            return self._json_list(final=False)
+        if self.fmt == "json":
+            return self._json_list(final=False) if self.forced is None else self._named(False)
         return self._whole_reply(final=False)
 
     def finish(self) -> ParseStep:
         if self.fmt == "hermes":
             return self._hermes(final=True)
-        if self.fmt == "json" and self.forced is None:
-            return self._json_list(final=True)
+        if self.fmt == "json":
+            return self._json_list(final=True) if self.forced is None else self._named(True)
         return self._whole_reply(final=True)
+
+    # --- arguments streamed as they are generated (the grammar-forced formats)
+
+    def _start_streaming(self, step: ParseStep, name: str, pos: int) -> None:
+        call = ToolCall(len(self.calls), new_call_id(), name, "")
+        self._streaming = (call if self._add(step, call) else None, _ObjectScan(pos))
+
+    def _stream_arguments(self, step: ParseStep) -> int | None:
+        """Send the arguments text that arrived; where the arguments object ends once it is
+        complete, else None."""
+        call, scan = self._streaming
+        start = scan.pos
+        end = scan.advance(self._buf)
+        if call is not None and end > start:
+            fragment = self._buf[start:end]
+            call.arguments += fragment
+            step.deltas.append({"index": call.index, "function": {"arguments": fragment}})
+        if not scan.done:
+            return None
+        self._streaming = None
+        return end
+
+    # --- named function: the reply is its arguments object
+
+    def _named(self, final: bool) -> ParseStep:
+        """The call is out with the reply's first character, its arguments as they arrive. A
+        reply cut by max_tokens keeps its call with the arguments cut short (as OpenAI's)."""
+        step = ParseStep()
+        if self._forced_state == "start":
+            head = self._buf.lstrip()
+            if head.startswith("{"):
+                self._forced_state = "args"
+                self._start_streaming(step, self.forced, len(self._buf) - len(head))
+            elif head or final:  # not an object (the grammar forces one): content
+                self._forced_state = "content"
+        if self._forced_state == "args" and self._stream_arguments(step) is not None:
+            self._forced_state = "done"  # what follows the object (blanks) is not part of it
+        if self._forced_state == "content":
+            step.content, self._buf = self._buf, ""
+        return step
 
     # --- json list (tool_choice "required"): [{"name", "parameters"}, ...], a call per item
 
     def _json_list(self, final: bool) -> ParseStep:
-        """Each item is a call as soon as it is complete, so calls stream one by one and a reply
-        cut by max_tokens keeps the calls it completed. A reply with no complete call is
-        content (it cannot happen under the schema unless max_tokens cut the first call)."""
+        """Each item is a call as soon as its name is known, its arguments streamed as they
+        arrive (the grammar forces the list's shape); a reply cut by max_tokens keeps the calls
+        it started, the last one's arguments cut short. A reply with no call started is
+        content (under the schema only a cut before the first arguments object does that)."""
         step = ParseStep()
         decoder = json.JSONDecoder()
         while not self._list_broken:
+            if self._streaming is not None:
+                end = self._stream_arguments(step)
+                if end is None:
+                    break  # wait for more of the arguments
+                self._list_pos = end
             pos = self._list_pos
-            while pos < len(self._buf) and (self._buf[pos].isspace() or self._buf[pos] in "[,]"):
+            while pos < len(self._buf) and (self._buf[pos].isspace() or self._buf[pos] in "[,]}"):
                 if self._buf[pos] == "[":
                     self._opened = True
                 pos += 1
             self._list_pos = pos
             if not self._opened or pos >= len(self._buf):
                 break
+            head = _LIST_HEAD.match(self._buf, pos)
+            if head is not None and json.loads(f'"{head.group(1)}"') in self.names:
+                self._start_streaming(step, json.loads(f'"{head.group(1)}"'), head.end())
+                continue
             try:
                 item, end = decoder.raw_decode(self._buf, pos)
             except ValueError:
@@ -537,12 +637,15 @@ class ToolCallParser:
         arguments = json.dumps(args, ensure_ascii=False)
         return ToolCall(len(self.calls), new_call_id(), name, arguments)
 
-    def _add(self, step: ParseStep, call: ToolCall) -> None:
+    def _add(self, step: ParseStep, call: ToolCall) -> bool:
+        """Record a call (complete, or started with empty arguments); False when dropped."""
         if self.calls and not self.parallel:
-            return  # parallel_tool_calls: false keeps the first call only
+            return False  # parallel_tool_calls: false keeps the first call only
         call.index = len(self.calls)
         self.calls.append(call)
         step.calls.append(call)
+        step.deltas.extend(call.deltas())
+        return True
 
 
 def _loads(text: str) -> Any:

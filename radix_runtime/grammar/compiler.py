@@ -183,5 +183,12 @@ class GrammarCache:
         self._get_compiler()
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's exact bytes (b"" for a padding id), for jump-forward's boundary."""
+        self._get_compiler()
+        if token >= self.tokenizer.vocab_size:
+            return b""
+        return self.tokenizer.token_bytes(token)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -37,6 +37,7 @@ class SlotGrammar:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.pending: _Pending | None = None
         self.error: str | None = None
+        self.last_token: int | None = None  # the token accepted last
         for tok in prior_outputs if prior_outputs is not None else ():
             # a retracted request: replay what it generated before (exactly the same state)
             self.accept(int(tok))
@@ -57,6 +58,8 @@ class SlotGrammar:
             # only possible if a token was drawn from a row with nothing allowed
             self.error = f"token {token} is not allowed by the grammar"
             logger.warning("grammar: %s", self.error)
+        else:
+            self.last_token = token
 
     def set_pending(self, step: int, host_ids: torch.Tensor, row: int, event) -> None:
         self.pending = _Pending(step, host_ids, row, event)
@@ -71,21 +74,57 @@ class SlotGrammar:
         self.pending = None
         self.accept(int(p.host_ids[p.row]))
 
-    def jump_forward(self, encode) -> list[int]:
+    def jump_forward(self, encode, token_bytes=None) -> tuple[int | None, list[int]]:
         """The tokens of the only continuation the grammar admits from here (fixed JSON keys,
-        punctuation), accepted into the matcher; [] when there is none. The string is tokenized
-        on its own (`encode`), and each token must be one the mask would allow, so the text is
-        one token-by-token constrained decoding could produce. Trailing spaces are left to the
-        model: ' 42' is one token, a forced ' ' then '42' two unusual ones."""
+        punctuation), accepted into the matcher: (a replacement of the token sampled last or
+        None, the forced tokens); (None, []) when there is none. Each token must be one the mask
+        would allow, so the text is one token-by-token constrained decoding could produce.
+        Trailing spaces are left to the model: ' 42' is one token, a forced ' ' then '42' two
+        unusual ones.
+
+        With `token_bytes` (id -> bytes) the boundary is re-tokenized: the sampled token's text
+        and the forced string are encoded together (`{` then `"name": ` becomes `{"`, `name`,
+        `":`), and when the first token differs the sampled one is replaced (the matcher rolls it
+        back; the model has not computed it yet). Without it, or where the joint encoding does
+        not spell the same bytes or the grammar refuses its first token, the forced string is
+        encoded on its own after the sampled token."""
         if self.finished or self.pending is not None:
-            return []
+            return None, []
         text = self.matcher.find_jump_forward_string().rstrip(" ")
         if not text:
-            return []
+            return None, []
+        if token_bytes is not None and self.last_token is not None:
+            joint = self._retokenized(encode, token_bytes, text)
+            if joint is not None:
+                return joint
+        return None, self._accept_prefix(encode(text))
+
+    def _retokenized(self, encode, token_bytes, text: str) -> tuple[int | None, list[int]] | None:
+        last = self.last_token
+        try:
+            prev = token_bytes(last).decode("utf-8")
+        except UnicodeDecodeError:  # the sampled token ends inside a character
+            return None
+        ids = encode(prev + text)
+        if not ids or b"".join(token_bytes(t) for t in ids) != (prev + text).encode("utf-8"):
+            return None
+        if ids[0] == last:  # the same boundary: the rest is the forced string's tokens
+            return None, self._accept_prefix(ids[1:])
+        self.matcher.rollback(1)
+        accepted = self._accept_prefix(ids)
+        if not accepted:  # the joint first token is not allowed here: keep the sampled one
+            self.matcher.accept_token(last)
+            self.last_token = last
+            return None
+        return accepted[0], accepted[1:]
+
+    def _accept_prefix(self, tokens: list[int]) -> list[int]:
+        """Accept `tokens` up to the first one the grammar refuses; the accepted ones."""
         accepted = []
-        for token in encode(text):
+        for token in tokens:
             if not self.matcher.accept_token(token):
                 break  # the rest is left to token-by-token decoding
+            self.last_token = token
             accepted.append(token)
         return accepted
 

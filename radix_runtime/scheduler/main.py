@@ -23,6 +23,7 @@ from radix_runtime.utils.procs import (
     set_process_title,
     zmq_socket,
 )
+from radix_runtime.utils.tp import RankFanout
 
 logger = logging.getLogger("radix_runtime.scheduler")
 
@@ -75,7 +76,7 @@ class SchedulerProcess:
         self.from_worker = zmq_socket(
             self.ctx, zmq.PULL, endpoint(ipc_dir, "scheduler_w"), bind=True
         )
-        self.to_worker = zmq_socket(self.ctx, zmq.PUSH, endpoint(ipc_dir, "worker"), bind=False)
+        self.to_worker = RankFanout(self.ctx, args, ipc_dir)  # every tensor-parallel rank
         self.scheduler = None
         self.running = True
         # KV-cache events (kv_events.py): a PUB socket, and a ROUTER answering snapshot requests

@@ -1,4 +1,4 @@
-"""What the scheduler counts, for /server_info, /cache_stats and /metrics, and the radix tree's
+"""What the scheduler counts, for /get_server_info and /metrics, and the radix tree's
 picture for /cache_tree.
 
 `Counters` holds the totals since start; every part of the scheduler adds to the one instance.
@@ -42,7 +42,7 @@ SCHEDULER_HISTOGRAMS: dict[str, tuple[float, ...]] = {
 
 @dataclass
 class Counters:
-    """The scheduler's totals since it started (/server_info, /cache_stats), kept with or
+    """The scheduler's totals since it started (/get_server_info), kept with or
     without --disable-metrics."""
 
     step_id: int = 0  # batches built

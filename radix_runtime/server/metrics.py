@@ -212,6 +212,8 @@ class Metrics:
 
     def on_tokens(self, timing: RequestTiming, n: int, now: float) -> None:
         """`n` output tokens of one request arrived at `now`."""
+        if n <= 0:  # (a malformed frame: the request fails when its tokens are unpacked)
+            return
         if timing.last_token == 0.0:
             self.ttft.observe(now - timing.created)
             n -= 1

@@ -104,6 +104,12 @@ async def _serve(args: ServerArgs, children: Children, source, tokenizer) -> int
 
 
 def run_server(args: ServerArgs) -> int:
+    if args.node_rank > 0:  # a multi-node tensor-parallel server's other hosts: ranks only
+        from radix_runtime.launch import run_worker_node
+
+        set_process_title(f"node{args.node_rank}")
+        configure_logging(args.log_level, f"node{args.node_rank}")
+        return run_worker_node(args)
     set_process_title("tokenizer")
     configure_logging(args.log_level, "tokenizer")
     children = Children(args)

@@ -63,6 +63,21 @@ def host_pool_pages(device_pool: KVPool, size_gb: float, ratio: float, bytes_per
     return pages
 
 
+def last_per_destination(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's copies with one copy per destination page, the last one queued. A page can be
+    named twice in one batch: a node written to the host, evicted from it and its page handed
+    to the next node written before the batch was sent (the radix tree queues both writes); the
+    later copy is the page's owner. torch leaves an index assignment with repeated indices
+    undefined, so the earlier ones are dropped here."""
+    if len(dst) < 2:
+        return src, dst
+    _, first = np.unique(dst[::-1], return_index=True)
+    if len(first) == len(dst):
+        return src, dst
+    keep = np.sort(len(dst) - 1 - first)
+    return src[keep], dst[keep]
+
+
 class HostKVPool:
     def __init__(self, device_pool: KVPool, num_pages: int) -> None:
         self.dev = device_pool
@@ -101,6 +116,8 @@ class HostKVPool:
         copies or not). Returns what `load_time` reads (CUDA: the load's timing events and its
         host gather's seconds; CPU: its seconds)."""
         self._check(write_src, write_dst, load_src, load_dst)
+        write_src, write_dst = last_per_destination(write_src, write_dst)
+        load_src, load_dst = last_per_destination(load_src, load_dst)
         if not self.cuda:
             if len(write_src):
                 self._write_sync(write_src, write_dst)

@@ -25,10 +25,11 @@ from tqdm import tqdm
 from radix_runtime.config import ServerArgs
 from radix_runtime.model_source import ModelSource, resolve_model
 from radix_runtime.worker import cpu_quant, gguf_format, quant
+from radix_runtime.worker.distributed import TPRank, shard_checkpoint, shard_config
 from radix_runtime.worker.model_config import ModelConfig, UnsupportedModel, load_hf_config
 from radix_runtime.worker.models.checkpoint import fuse_checkpoint
 from radix_runtime.worker.models.llama import LlamaForCausalLM
-from radix_runtime.worker.models.registry import build_model
+from radix_runtime.worker.models.registry import build_model, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,17 @@ class LoadedModel:
 
 
 def load_model(
-    args: ServerArgs, device: torch.device, dtype: torch.dtype, packed_int4: bool = False
+    args: ServerArgs,
+    device: torch.device,
+    dtype: torch.dtype,
+    packed_int4: bool = False,
+    tp: TPRank | None = None,
 ) -> LoadedModel:
     """`packed_int4`: int4 weights (an AWQ / GPTQ checkpoint, `--quantization int4`) stay packed
-    in `quant.Int4Linear`s for the int4 GEMV, instead of dequantized at load."""
+    in `quant.Int4Linear`s for the int4 GEMV, instead of dequantized at load. `tp`: build this
+    rank's share of the model (from its local config, filled from the checkpoint's slices;
+    `LoadedModel.config` is then the local config)."""
+    tp = tp or TPRank()
     source = resolve_model(args.model, args.load_format, args.model_config)
     expected = _FORMAT_KIND.get(args.load_format)
     if expected is not None and source.kind != expected:
@@ -71,13 +79,20 @@ def load_model(
     quantization = "none"
     if source.kind == "dummy":
         config = load_hf_config(source.path)
-        model = build_model(config, device, dtype)
-        init_dummy_weights(model, args.seed)
+        model = build_model(shard_config(config, tp.size), device, dtype)
+        if tp.enabled:  # the full model's values (what --tp 1 draws), sliced
+            full = dummy_weights(config, device, dtype, args.seed)
+            model.load_weights(shard_checkpoint(full, config, tp.rank, tp.size))
+        else:
+            init_dummy_weights(model, args.seed)
     elif source.kind == "hf":
         config = load_hf_config(source.path)
-        model = build_model(config, device, dtype)
+        if tp.enabled and config.quantization is not None:
+            raise UnsupportedModel("--tp > 1 does not load quantized checkpoints yet")
+        model = build_model(shard_config(config, tp.size), device, dtype)
         files = safetensors_files(source.path)
         weights = _progress(iter_safetensors(files), "loading weights", _count_keys(files))
+        weights = shard_checkpoint(weights, config, tp.rank, tp.size)
         scheme = config.quantization or {"method": "none"}
         if scheme["method"] != "none" and args.quantization not in ("none", scheme["method"]):
             raise UnsupportedModel(
@@ -88,9 +103,8 @@ def load_model(
             quant.use_fp8_layers(model, device)
             weights = quant.fp8_checkpoint(weights, kv_scales)
         elif scheme["method"] in ("awq", "gptq"):
-            if packed_int4:
-                quant.use_int4_layers(model, device, scheme)
-            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales, packed_int4)
+            packed = packed_int4 and quant.use_int4_layers(model, device, scheme)
+            weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales, packed)
             quantization = scheme["method"]
         model.load_weights(weights)
     elif source.kind == "gguf":
@@ -99,7 +113,8 @@ def load_model(
         weight_format = resolve_cpu_weight_format(args, device, dtype, gguf_types)
         # quantized formats are fitted from the float32 dequantization (exact Q4 grids)
         build_dtype = torch.float32 if weight_format in ("int8", "int4") else dtype
-        model = build_model(config, device, build_dtype)
+        model = build_model(shard_config(config, tp.size), device, build_dtype)
+        weights = shard_checkpoint(weights, config, tp.rank, tp.size)
         model.load_weights(_progress(weights, "loading weights", total))
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
@@ -123,7 +138,7 @@ def load_model(
     )  # fmt: skip
     scales = {i: (k, v) for i, (k, v) in kv_scales.items()} or None
     return LoadedModel(
-        source, config, model, load_s, cache_hit, scales, quantization, dtype, weight_format
+        source, model.config, model, load_s, cache_hit, scales, quantization, dtype, weight_format
     )
 
 
@@ -175,12 +190,27 @@ def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in _progress(list(model.named_parameters()), "dummy weights", None):
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        elif name.endswith(".bias"):
-            p.data.zero_()
-        else:
-            p.data.normal_(0.0, DUMMY_STD, generator=gen)
+        _fill_dummy(name, p.data, gen)
+
+
+def dummy_weights(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors `init_dummy_weights` puts in the full model, one at a time under their
+    parameter names (a tensor-parallel rank keeps its slices of them)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        shapes = [(n, p.shape) for n, p in model_class(config)(config, dtype).named_parameters()]
+    for name, shape in _progress(shapes, "dummy weights", None):
+        yield name, _fill_dummy(name, torch.empty(shape, dtype=dtype, device=device), gen)
+
+
+def _fill_dummy(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return t.fill_(1.0)
+    if name.endswith(".bias"):
+        return t.zero_()
+    return t.normal_(0.0, DUMMY_STD, generator=gen)
 
 
 # ---------------------------------------------------------------------------------------------

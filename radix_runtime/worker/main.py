@@ -12,6 +12,11 @@ held back for the next batch) or a new batch (launched first, then the pending s
 Results go out in step order. A batch with constrained rows is launched in two parts: the
 forward, then (after the previous step's result went out) its grammar masks and sampling
 (`ModelRunner.sample`), which need the tokens the previous step sampled.
+
+With tensor parallelism (`--tp N`) N of these processes run, one per rank: every rank receives
+every frame the scheduler sends (its own inbox, utils/tp.py) and runs the same loop, its
+collectives meeting the other ranks' inside each step; only rank 0 sends results (a failing
+rank reports its error too).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from radix_runtime.utils.procs import (
     set_process_title,
     zmq_socket,
 )
+from radix_runtime.utils.tp import rank_inbox, rank_role
 
 logger = logging.getLogger("radix_runtime.worker")
 
@@ -41,17 +47,22 @@ logger = logging.getLogger("radix_runtime.worker")
 HANG_AT_STEP_ENV = "RADIX_RUNTIME_FAULT_WORKER_HANG_AT_STEP"
 
 
-def serve(args: ServerArgs, ipc_dir: str) -> None:
+def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
     ctx = zmq.Context()
-    inbox = zmq_socket(ctx, zmq.PULL, endpoint(ipc_dir, "worker"), bind=True)
-    outbox = zmq_socket(ctx, zmq.PUSH, endpoint(ipc_dir, "scheduler_w"), bind=False)
+    role = rank_role(rank)
+    inbox_at = rank_inbox(args, ipc_dir, rank)
+    inbox = zmq_socket(ctx, zmq.PULL, inbox_at.addr, bind=inbox_at.worker_binds)
+    # (a rank on another host has no way back: its death reaches node 0 through the collectives)
+    to_scheduler = zmq_socket(ctx, zmq.PUSH, endpoint(ipc_dir, "scheduler_w"), bind=False)
+    outbox = to_scheduler if rank == 0 else _NoResults()  # only rank 0 reports step results
     try:
+        from radix_runtime.worker.distributed import TPRank
         from radix_runtime.worker.model_runner import ModelRunner
 
-        runner = ModelRunner(args)
+        runner = ModelRunner(args, tp=TPRank.for_worker(args, rank, ipc_dir))
     except Exception as exc:
         logger.exception("the worker failed to start")
-        outbox.send(m.encode(m.FatalError(role="worker", message=f"{type(exc).__name__}: {exc}")))
+        to_scheduler.send(m.encode(m.FatalError(role=role, message=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.2)
         raise SystemExit(2) from exc
     outbox.send(m.encode(runner.ready_info()))
@@ -61,7 +72,7 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
 
     def fail(what: str, exc: Exception) -> None:
         logger.exception("%s failed", what)
-        outbox.send(m.encode(m.FatalError(role="worker", message=f"{type(exc).__name__}: {exc}")))
+        to_scheduler.send(m.encode(m.FatalError(role=role, message=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.2)
         raise SystemExit(2) from exc
 
@@ -110,9 +121,17 @@ def serve(args: ServerArgs, ipc_dir: str) -> None:
         elif isinstance(msg, m.CompileGrammar):
             runner.compile_grammar(msg.kind, msg.text)
         elif isinstance(msg, m.ShutdownReq):
+            runner.tp.leave()
             return
         else:
             logger.warning("ignored an unexpected %s", type(msg).__name__)
+
+
+class _NoResults:
+    """The result socket of a rank other than 0: its results are rank 0's."""
+
+    def send(self, *_args, **_kwargs) -> None:
+        pass
 
 
 # while a step runs on the device, spin (poll the socket, query the step's event) this long
@@ -137,11 +156,12 @@ def wait_for_batch(inbox, pending) -> bool:
 def main() -> None:
     payload = read_child_payload()
     args = ServerArgs.from_json(payload["args"])
-    set_process_title("worker")
-    configure_logging(args.log_level, "worker")
+    rank = int(payload.get("tp_rank", 0))
+    set_process_title(rank_role(rank))
+    configure_logging(args.log_level, rank_role(rank))
     install_child_signal_handlers()
     try:
-        serve(args, payload["ipc_dir"])
+        serve(args, payload["ipc_dir"], rank)
     except SystemExit:
         raise
     except Exception:

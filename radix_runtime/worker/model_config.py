@@ -105,6 +105,10 @@ class ModelConfig:
     rope_local_scaling: dict[str, Any] | None = None
     # the checkpoint's weight quantization (model_config.quant_scheme): None = unquantized
     quantization: dict[str, Any] | None = None
+    # tensor parallelism: > 1 in a rank's local view (worker/distributed.py `shard_config`), whose
+    # heads, KV heads and intermediate size are that rank's share; the row-parallel projections
+    # (o_proj, down_proj) all-reduce their output over the ranks
+    tp_size: int = 1
 
     @property
     def q_size(self) -> int:

@@ -41,6 +41,7 @@ from radix_runtime.config import ServerArgs, auto_max_running_requests
 from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
+from radix_runtime.worker.distributed import TPRank
 from radix_runtime.worker.host_copy import to_device
 from radix_runtime.worker.host_pool import HostKVPool, host_pool_pages, measure_load_bandwidth
 from radix_runtime.worker.kernels import KernelConfig
@@ -64,14 +65,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_threads() -> int:
+def cpu_threads(ranks_here: int = 1) -> int:
     """Intra-op threads for the CPU path: OMP_NUM_THREADS when set, else the cores this process
     may run on (its affinity mask, which a container or `taskset` narrows; torch's default counts
-    every core of the host)."""
+    every core of the host), split between the `ranks_here` tensor-parallel ranks on them."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return len(os.sched_getaffinity(0))
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -113,18 +114,24 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, kernels: KernelConfig | None = None) -> None:
-        """`kernels`: the CUDA path's kernel choices (default: what serving runs)."""
+    def __init__(
+        self, args: ServerArgs, kernels: KernelConfig | None = None, tp: TPRank | None = None
+    ) -> None:
+        """`kernels`: the CUDA path's kernel choices (default: what serving runs). `tp`: this
+        worker's tensor-parallel rank (worker/distributed.py); it holds that rank's share of the
+        model and of the KV pool, and joins the others' collectives."""
         self.args = args
         self.kernels = kernels or KernelConfig()
-        self.device = pick_device(args.device)
+        self.tp = tp or TPRank()
+        self.device = self.tp.pin(pick_device(args.device))
         self.dtype = pick_dtype(args.dtype, self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads())
+            torch.set_num_threads(cpu_threads(ranks_here=args.tp // args.nnodes))
         torch.manual_seed(args.seed)
+        self.tp.join(self.device)
         # int4 weights stay packed where the int4 GEMV runs (CUDA, with the kernels)
         packed_int4 = self.device.type == "cuda" and self.kernels.int4_gemv and kernels_available()
-        loaded = load_model(args, self.device, self.dtype, packed_int4)
+        loaded = load_model(args, self.device, self.dtype, packed_int4, self.tp)
         self.model, self.config, self.load_s = loaded.model, loaded.config, loaded.load_s
         self.dtype, self.weight_format = loaded.dtype, loaded.weight_format
         self.model_name = loaded.source.name
@@ -194,10 +201,12 @@ class ModelRunner:
                 self.max_pages_per_slot,
                 self.device,
             )
+        self.tp.barrier(self.device)  # rank 0 reports ready once every rank is
         logger.info(
-            "worker ready: %s on %s/%s, %d KV pages x %d tokens, backend %s, CUDA graphs %s",
+            "worker ready: %s on %s/%s, %d KV pages x %d tokens, backend %s, CUDA graphs %s%s",
             self.model_name, self.device, self.dtype, self.kv_pool.num_pages, self.page_size,
             self.attn.name, "on" if self.cuda_graphs else "off",
+            f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp.enabled else "",
         )  # fmt: skip
 
     def _grammar_cache(self, source):
@@ -277,6 +286,8 @@ class ModelRunner:
         num_pages = num_pages_for(
             args.max_total_tokens, self.page_size, self.device, per_token, args.mem_fraction_static
         )
+        # NOTE: a page id names the same slot on every rank, so all ranks hold the same count
+        num_pages = self.tp.min_over_ranks(num_pages, self.device)
         logger.info(
             "KV pool: %d pages, %.2f GiB", num_pages, num_pages * self.page_size * per_token / 2**30
         )
@@ -392,6 +403,8 @@ class ModelRunner:
                 [reqs[i].return_logprob for i in sampled],
                 [reqs[i].top_logprobs_num for i in sampled],
             )
+            # every rank sampled the same logits alike; rank 0's ids make sure all feed them
+            self.tp.broadcast_from_first(out.next_ids)
             self.last_sampled[to_device(slots, torch.long, self.device)] = out.next_ids
             pending.sample, pending.sampled = out, sampled
             fetch.extend(out.tensors())
@@ -436,8 +449,12 @@ class ModelRunner:
                 req = pending.reqs[i]
                 # no jump-forward for logprob requests: forced tokens have no model logprob
                 jump = not req.return_logprob and req.top_logprobs_num == 0
-                done, error, forced = self.sampler.grammar_status(req.slot, pending.step, jump)
+                done, error, replaced, forced = self.sampler.grammar_status(
+                    req.slot, pending.step, jump
+                )
                 res.grammar_done, res.grammar_error = done, error
+                if replaced is not None:  # jump-forward re-tokenized the boundary
+                    res.next_id = replaced
                 if forced:
                     res.jump_ids = m.pack_ids(forced)
                 res.logprob = out.logprobs[j]

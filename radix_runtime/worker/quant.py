@@ -231,12 +231,22 @@ class Int4Linear(nn.Module):
         return F.linear(x, w, self.bias)
 
 
-def use_int4_layers(model: nn.Module, device: torch.device, scheme: dict[str, Any]) -> None:
+def int4_packable(in_features: int, group_size: int) -> bool:
+    """Whether the int4 kernels take a projection: whole packed words along K, groups of them."""
+    return in_features % 8 == 0 and group_size % 8 == 0
+
+
+def use_int4_layers(model: nn.Module, device: torch.device, scheme: dict[str, Any]) -> bool:
     """Before loading an AWQ / GPTQ checkpoint packed (`int4_checkpoint(packed=True)`): every
-    decoder projection becomes an empty Int4Linear of the scheme's group size."""
-    for parent, name, layer in decoder_linears(model):
+    decoder projection becomes an empty Int4Linear of the scheme's group size. False (nothing
+    changed: load it dequantized) when a projection's shape does not fit the kernels."""
+    layers = decoder_linears(model)
+    groups = [scheme["group_size"] if scheme["group_size"] > 0 else lay.weight.shape[1]
+              for _, _, lay in layers]  # fmt: skip
+    if not all(int4_packable(lay.weight.shape[1], g) for (_, _, lay), g in zip(layers, groups)):
+        return False
+    for (parent, name, layer), group in zip(layers, groups):
         out_f, in_f = layer.weight.shape
-        group = scheme["group_size"] if scheme["group_size"] > 0 else in_f
         with torch.device(device):
             setattr(
                 parent,
@@ -244,14 +254,19 @@ def use_int4_layers(model: nn.Module, device: torch.device, scheme: dict[str, An
                 Int4Linear(in_f, out_f, layer.bias is not None, layer.weight.dtype, group),
             )
     model.quantization = scheme["method"]
+    model.packed_int4 = True
+    return True
 
 
 def quantize_model_int4_rtn(model: nn.Module, packed: bool = False) -> None:
     """--quantization int4: every decoder projection rounded to int4 (`rtn_int4_parts`): packed
-    into an Int4Linear (`packed`: CUDA with the int4 GEMV), else kept dequantized in place."""
+    into an Int4Linear (`packed`: CUDA with the int4 kernels, where its shape fits them), else
+    kept dequantized in place."""
     for parent, name, layer in decoder_linears(model):
-        if packed:
+        in_f = layer.weight.shape[1]
+        if packed and int4_packable(in_f, int4_group_size(in_f)):
             setattr(parent, name, Int4Linear.from_linear(layer))
+            model.packed_int4 = True
         else:
             layer.weight.data = rtn_int4(layer.weight.data)
     model.quantization = "int4"

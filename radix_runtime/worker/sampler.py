@@ -262,19 +262,22 @@ class Sampler:
 
     def grammar_status(
         self, slot: int, step: int, jump: bool = False
-    ) -> tuple[bool, str | None, list[int]]:
-        """(finished, error, jump-forward tokens) of a slot's grammar once the token it sampled
-        in `step` is in; with `jump` (and --enable-jump-forward) the tokens the grammar forces
-        next are appended (accepted by the matcher, counted as outputs)."""
+    ) -> tuple[bool, str | None, int | None, list[int]]:
+        """(finished, error, replacement, jump-forward tokens) of a slot's grammar once the token
+        it sampled in `step` is in; with `jump` (and --enable-jump-forward) the tokens the
+        grammar forces next are appended (accepted by the matcher, counted as outputs), the
+        boundary re-tokenized: `replacement` is the token that takes the sampled one's place
+        (None: it stays). Penalised slots keep their sampled token (their counts have it)."""
         st = self.slots.get(slot)
         if st is None or st.grammar is None:
-            return False, None, []
+            return False, None, None, []
         st.grammar.resolve(step)
-        forced: list[int] = []
+        replaced, forced = None, []
         if jump and self.jump_forward:
-            forced = st.grammar.jump_forward(self.grammars.encode)
+            token_bytes = self.grammars.token_bytes if st.output_counts is None else None
+            replaced, forced = st.grammar.jump_forward(self.grammars.encode, token_bytes)
             st.outputs += len(forced)
-        return st.grammar.finished, st.grammar.error, forced
+        return st.grammar.finished, st.grammar.error, replaced, forced
 
     # ------------------------------------------------------------------------------------------
     # sampling

@@ -62,6 +62,18 @@ def test_a_load_is_ordered_after_earlier_work_on_its_pages():
     assert torch.all(dev.k_buffers[0][5] == 2)  # 8 if the load had landed before the 7
 
 
+def test_a_host_page_written_twice_in_a_batch_holds_the_later_write():
+    """One batch's writes name host page 2 twice (a node written, host-evicted and its page
+    handed to the next node before the batch was sent): the later write owns it."""
+    dev, host = _pools()
+    host.copy(np.array([3, 7, 8], np.int32), np.array([2, 5, 2], np.int32),
+              np.zeros(0, np.int32), np.zeros(0, np.int32), True)  # fmt: skip
+    host.synchronize()
+    for i in range(dev.num_layers):
+        assert torch.equal(host.buffer[i, 0, 2], dev.k_buffers[i][8].cpu())
+        assert torch.equal(host.buffer[i, 0, 5], dev.k_buffers[i][7].cpu())
+
+
 def test_pinned_bandwidth_is_measured():
     assert measure_load_bandwidth(torch.device("cuda"), 64 << 20) > 1e9
 
@@ -84,8 +96,9 @@ def test_outputs_with_the_host_tier_on_cuda(monkeypatch):
     prompts, arrivals = hq.conversations(runner.ready_info().vocab_size)
     greedy = m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     off, _ = eq.run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
-    for overlap_off in (True, False):
-        args = tiered.replace(disable_overlap_schedule=overlap_off)
-        on, sched = eq.run(tiered_runner, args, prompts, greedy, arrivals)
-        assert on == off
-        assert sched.host_cached_tokens_total > 0
+    for impl in ("python", "cpp"):
+        for overlap_off in (True, False):
+            args = tiered.replace(disable_overlap_schedule=overlap_off, radix_tree_impl=impl)
+            on, sched = eq.run(tiered_runner, args, prompts, greedy, arrivals)
+            assert on == off and sched.tree_impl == impl
+            assert sched.host_cached_tokens_total > 0

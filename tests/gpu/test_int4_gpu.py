@@ -1,6 +1,6 @@
-"""W4A16 on the GPU: the Triton int4 GEMV against its torch reference at Llama-3.1-8B shapes, and
-packed int4 weights through the runner (int4 GEMV for decode rows, CUDA graphs) against the same
-int4 rounding kept dequantized (KernelConfig(int4_gemv=False))."""
+"""W4A16 on the GPU: the Triton int4 GEMV and GEMM against their torch reference at Llama-3.1-8B
+shapes, and packed int4 weights through the runner (GEMV, GEMM or dequantize-per-call by rows,
+CUDA graphs) against the same int4 rounding kept dequantized (KernelConfig(int4_gemv=False))."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from gpu_support import Driver, Seq, greedy_agrees, random_ids, rel_err  # noqa:
 from radix_runtime.config import ServerArgs  # noqa: E402
 from radix_runtime.worker.kernels import KernelConfig  # noqa: E402
 from radix_runtime.worker.kernels.int4_gemv import (  # noqa: E402
+    int4_gemm,
     int4_gemv,
     int4_gemv_torch,
     pack_int4_rows,
@@ -51,6 +52,20 @@ def test_int4_gemv_against_reference(n, k, group, m):
         assert rel_err(got, want) < 5e-3, config
 
 
+@pytest.mark.parametrize("n,k,group", [(6144, 4096, 128), (4096, 14336, 128), (100, 96, 64)])
+@pytest.mark.parametrize("m", [5, 16, 33, 200, 300])
+def test_int4_gemm_against_reference(n, k, group, m):
+    """The GEMM's tiles are rounded to bf16 before the tensor-core product (as the dequantized
+    path rounds W): within bf16 rounding of the float32 reference."""
+    qw, s, z = _packed(n, k, group)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    want = int4_gemv_torch(x.float(), qw, s, z, group)
+    for config in (None, (32, 64, 16, 4, 2), (128, 128, 16, 8, 3)):
+        got = int4_gemm(x, qw, s, z, group, config)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 1e-2, config
+
+
 def _runner(**kernels) -> ModelRunner:
     args = ServerArgs(model="tiny-llama", load_format="dummy", device="cuda", page_size=16,
                       max_total_tokens=4096, max_running_requests=16, cuda_graph_max_bs=8,
@@ -68,8 +83,9 @@ def _agree(outs, tol: float, what: str) -> None:
 
 
 def test_packed_int4_through_the_runner():
-    """--quantization int4 packed (prefill dequantized per call, decode of 1 and 4 rows through
-    the int4 GEMV, CUDA graphs) against the same rounding dequantized at load."""
+    """--quantization int4 packed against the same rounding dequantized at load: a prefill of
+    ~200 rows (the GEMM), one of 300 (dequantized per call), decode of 8 rows (GEMM), 4 and 1
+    (GEMV), the decode steps as CUDA graphs."""
     plain = _runner(int4_gemv=False)
     packed = _runner()
     layer = packed.model.model.layers[0].mlp.down_proj
@@ -77,10 +93,17 @@ def test_packed_int4_through_the_runner():
     assert not isinstance(plain.model.model.layers[0].mlp.down_proj, Int4Linear)
     assert packed.cuda_graphs is not None
     d = Driver([plain, packed])
-    seqs = [Seq(slot=i) for i in range(4)]
-    outs = d.step([d.req(s, random_ids(50 + i, 10 + i)) for i, s in enumerate(seqs)])
-    _agree(outs, 3e-2, "prefill")
+    seqs = [Seq(slot=i) for i in range(8)]
+    outs = d.step([d.req(s, random_ids(50 + i, 10 + i)) for i, s in enumerate(seqs[:4])])
+    _agree(outs, 3e-2, "prefill (GEMM)")
     tokens = [r.next_id for r in outs[0][0]]
+    outs = d.step([d.req(s, random_ids(75, 20 + i)) for i, s in enumerate(seqs[4:])])
+    _agree(outs, 3e-2, "prefill (dequantized per call)")
+    tokens += [r.next_id for r in outs[0][0]]
+    outs = d.step([d.req(s, [t]) for s, t in zip(seqs, tokens)])
+    _agree(outs, 3e-2, "decode x8 (GEMM)")
+    tokens = [r.next_id for r in outs[0][0]]
+    seqs, tokens = seqs[:4], tokens[:4]
     for step in range(3):
         outs = d.step([d.req(s, [t]) for s, t in zip(seqs, tokens)])
         _agree(outs, 3e-2, f"decode x4 {step}")

@@ -369,6 +369,13 @@ def test_jump_forward_valid_fewer_steps_and_cache_equivalent(runner_factory):
             jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), LONG_KEYS)
     assert sched.jumped_tokens >= 2 * 10
     assert sched.step_id < plain_sched.step_id
+    # the boundary is re-tokenized: whatever the model sampled first (`{` or `{"`), the reply
+    # opens with the tokenizer's own `{"` + key tokens
+    key = '{"customer_full_name": "'
+    for ids in jumped.values():
+        assert ids[: len(tokenizer.encode(key, add_special_tokens=False))] == tokenizer.encode(
+            key, add_special_tokens=False
+        )
 
 
 def test_prefill_cap_keeps_greedy_outputs(runner_factory):

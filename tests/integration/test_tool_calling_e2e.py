@@ -69,11 +69,15 @@ def reassemble(stream) -> tuple[str | None, list[dict], str | None]:
             if delta.content:
                 content = (content or "") + delta.content
             for tc in delta.tool_calls or []:
-                call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                call = calls.setdefault(
+                    tc.index, {"id": None, "name": "", "arguments": "", "fragments": 0}
+                )
                 call["id"] = tc.id or call["id"]
                 if tc.function is not None:
+                    assert tc.function.name or call["name"], "an argument fragment before the name"
                     call["name"] += tc.function.name or ""
                     call["arguments"] += tc.function.arguments or ""
+                    call["fragments"] += bool(tc.function.arguments)
             finish = choice.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
 
@@ -231,12 +235,17 @@ def test_named_choice_and_single_call(client, model):
 
 
 @needs_grammar
-def test_required_stream_reassembles(client, model):
+@pytest.mark.parametrize(
+    "choice",
+    ["required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"],
+)
+def test_forced_stream_reassembles(client, model, choice):
     kw = dict(
         model=model,
         messages=ASK,
         tools=TOOLS,
-        tool_choice="required",
+        tool_choice=choice,
         temperature=0,
         max_tokens=64,
     )
@@ -247,6 +256,8 @@ def test_required_stream_reassembles(client, model):
         (c["name"], c["arguments"]) for c in as_calls(whole.message)
     ]
     assert all(c["id"].startswith("call_") for c in calls)
+    # the arguments stream as they are generated, not in one piece when the call is complete
+    assert all(c["fragments"] > 2 for c in calls), calls
 
 
 @needs_grammar

@@ -1,4 +1,5 @@
-"""What the tools people point at a server expect, against the fake manager: echo with logprobs
+"""What the tools people point at a server expect, over the real manager and a scripted
+scheduler (tests/http_support.py): echo with logprobs
 (lm-evaluation-harness's local-completions), whole-number floats for integer fields,
 /health_generate, and the served OpenAPI schema and docs (its fuzz test: test_openapi_fuzz.py)."""
 
@@ -7,9 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_http_api import REPLY, FakeManager, assert_error, make_client, sse_events
-
-from radix_runtime.frontend.errors import GenerationError
+from http_support import REPLY, assert_error, served, sse_events
 
 PROMPT = "abc"
 
@@ -21,9 +20,9 @@ def completion(client, **body) -> dict:
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 3])
-def test_echo_with_logprobs_returns_the_prompt_tokens_first(max_tokens):
-    manager = FakeManager()
-    body = completion(make_client(manager), echo=True, logprobs=2, max_tokens=max_tokens)
+def test_echo_with_logprobs_returns_the_prompt_tokens_first(server, max_tokens):
+    manager = server.manager
+    body = completion(server.client, echo=True, logprobs=2, max_tokens=max_tokens)
     (inp,) = manager.inputs
     assert inp.logprob_start_len == 0 and inp.sampling.max_new_tokens == max_tokens
     (choice,) = body["choices"]
@@ -42,9 +41,8 @@ def test_echo_with_logprobs_returns_the_prompt_tokens_first(max_tokens):
     assert body["usage"]["completion_tokens"] == max_tokens
 
 
-def test_echo_without_logprobs_and_with_token_ids():
-    manager = FakeManager()
-    client = make_client(manager)
+def test_echo_without_logprobs_and_with_token_ids(server):
+    manager, client = server.manager, server.client
     body = completion(client, echo=True, max_tokens=2)
     assert body["choices"][0]["text"] == PROMPT + REPLY[:2]
     assert body["choices"][0]["logprobs"] is None
@@ -54,8 +52,8 @@ def test_echo_without_logprobs_and_with_token_ids():
     assert [c["text"] for c in body["choices"]] == ["xyz" + REPLY[0]] * 2
 
 
-def test_echo_streams_what_it_returns():
-    client = make_client(FakeManager())
+def test_echo_streams_what_it_returns(server):
+    client = server.client
     full = completion(client, echo=True, logprobs=1, max_tokens=4)["choices"][0]
     resp = client.post(
         "/v1/completions",
@@ -72,9 +70,9 @@ def test_echo_streams_what_it_returns():
     assert offsets == full["logprobs"]["text_offset"]
 
 
-def test_max_tokens_0_needs_echo():
+def test_max_tokens_0_needs_echo(server):
     assert_error(
-        make_client(FakeManager()).post("/v1/completions", json={"prompt": "x", "max_tokens": 0}),
+        server.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}),
         400,
         param="max_tokens",
     )
@@ -94,9 +92,9 @@ def test_max_tokens_0_needs_echo():
          "max_new_tokens"),
     ],
 )  # fmt: skip
-def test_whole_number_floats_are_integers(path, body, check):
-    manager = FakeManager()
-    resp = make_client(manager).post(path, json=body)
+def test_whole_number_floats_are_integers(server, path, body, check):
+    manager = server.manager
+    resp = server.client.post(path, json=body)
     assert resp.status_code == 200, resp.text
     inp = manager.inputs[0]
     if check == "n":
@@ -119,9 +117,9 @@ def test_whole_number_floats_are_integers(path, body, check):
                                   "logprobs": 1.0}, "logprobs"),
     ],
 )  # fmt: skip
-def test_everything_else_stays_strict(path, body, param):
-    manager = FakeManager()
-    err = assert_error(make_client(manager).post(path, json=body), 400)
+def test_everything_else_stays_strict(server, path, body, param):
+    manager = server.manager
+    err = assert_error(server.client.post(path, json=body), 400)
     assert err["param"] == param
     assert manager.inputs == []
 
@@ -129,9 +127,8 @@ def test_everything_else_stays_strict(path, body, param):
 # ---- /health_generate
 
 
-def test_health_generate_runs_one_token():
-    manager = FakeManager()
-    client = make_client(manager)
+def test_health_generate_runs_one_token(server):
+    manager, client = server.manager, server.client
     resp = client.get("/health_generate")
     assert resp.status_code == 200 and resp.json() == {"status": "ok"}
     (inp,) = manager.inputs
@@ -139,27 +136,27 @@ def test_health_generate_runs_one_token():
 
 
 def test_health_generate_is_503_when_the_model_fails_or_the_server_is_unhealthy():
-    manager = FakeManager()
-    client = make_client(manager)
-    manager.fail = GenerationError("the worker died", "server_error", 503)
-    assert_error(client.get("/health_generate"), 503, code="unhealthy", type_="server_error")
-    manager.fail = None
-    manager.healthy = False
-    assert client.get("/health_generate").status_code == 503
+    with served() as s:
+        s.sched.fail = ("the worker died", "server_error")
+        err = s.client.get("/health_generate")
+        assert_error(err, 503, code="unhealthy", type_="server_error")
+        s.sched.fail = None
+        s.manager.fail("the worker process exited with code 1")
+        assert s.client.get("/health_generate").status_code == 503
 
 
 def test_health_generate_needs_the_key():
-    client = make_client(FakeManager(), api_key="k")
-    assert client.get("/health_generate").status_code == 401
-    ok = client.get("/health_generate", headers={"Authorization": "Bearer k"})
-    assert ok.status_code == 200
+    with served(api_key="k") as s:
+        assert s.client.get("/health_generate").status_code == 401
+        ok = s.client.get("/health_generate", headers={"Authorization": "Bearer k"})
+        assert ok.status_code == 200
 
 
 # ---- OpenAPI and docs
 
 
-def test_openapi_and_docs_are_served():
-    client = make_client(FakeManager())
+def test_openapi_and_docs_are_served(server):
+    client = server.client
     schema = client.get("/openapi.json").json()
     paths = schema["paths"]
     for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
@@ -174,16 +171,16 @@ def test_openapi_and_docs_are_served():
 
 
 def test_disable_docs():
-    client = make_client(FakeManager(), disable_docs=True)
-    assert client.get("/openapi.json").status_code == 404
-    assert client.get("/docs").status_code == 404
+    with served(disable_docs=True) as s:
+        assert s.client.get("/openapi.json").status_code == 404
+        assert s.client.get("/docs").status_code == 404
 
 
 # ---- vLLM's tokenizer endpoints (lm-evaluation-harness finds and uses them)
 
 
-def test_tokenize_detokenize_and_tokenizer_info():
-    client = make_client(FakeManager())
+def test_tokenize_detokenize_and_tokenizer_info(server):
+    client = server.client
     resp = client.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False})
     assert resp.json() == {"count": 2, "max_model_len": 64, "tokens": [97, 98]}
     assert client.post("/tokenize", json={"prompt": "ab"}).json()["tokens"] == [1, 97, 98]
@@ -209,10 +206,9 @@ def test_tokenize_detokenize_and_tokenizer_info():
         ("/v1/completions", {"best_of": 3}, "best_of"),
     ],
 )
-def test_unimplemented_fields_are_400(path, extra, param):
-    manager = FakeManager()
+def test_unimplemented_fields_are_400(server, path, extra, param):
     body = {"text": "x"} if path == "/generate" else {"prompt": "x"}
-    assert_error(make_client(manager).post(path, json={**body, **extra}), 400, param=param)
-    assert manager.inputs == []
+    assert_error(server.client.post(path, json={**body, **extra}), 400, param=param)
+    assert server.manager.inputs == []
     ok = {**body, "sampling_params": {"n": 1}} if path == "/generate" else {**body, "best_of": 1}
-    assert make_client(manager).post(path, json=ok).status_code == 200
+    assert server.client.post(path, json=ok).status_code == 200

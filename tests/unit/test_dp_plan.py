@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.dp import supervisor as sup
-from tests.unit.test_http_api import FakeManager, make_client
 
 
 def test_one_gpu_each():
@@ -71,14 +71,12 @@ def test_missing_router_is_a_clear_error(monkeypatch, capsys):
     assert "pip install 'radix_runtime[router]'" in capsys.readouterr().err
 
 
-class LoadedManager(FakeManager):
-    async def server_info(self) -> dict:
-        cache = {"protected_pages": 30, "page_size": 16, "hit_rate": 0.0}
-        return {"cache": cache, "running_requests": 3, "waiting_requests": 2}
-
-
-def test_get_load_in_sglangs_shape():
-    client = make_client(LoadedManager())
+def test_get_load_in_sglangs_shape(server, monkeypatch):
+    info = server.sched.server_info()
+    cache = msgspec.structs.replace(info.cache, protected_pages=30, page_size=16)
+    loaded = msgspec.structs.replace(info, cache=cache, running_requests=3, waiting_requests=2)
+    monkeypatch.setattr(server.sched, "server_info", lambda: loaded)
+    client = server.client
     assert client.get("/get_load").json() == [
         {"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 480}
     ]
@@ -87,9 +85,9 @@ def test_get_load_in_sglangs_shape():
     assert client.get("/server_info").status_code == 200
 
 
-def test_the_routers_placeholder_model_is_no_model():
+def test_the_routers_placeholder_model_is_no_model(server):
     # SGLang's router forwards a chat request without "model" with "unknown" in it
-    client = make_client(FakeManager())
+    client = server.client
     body = {"model": "unknown", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     body["model"] = "another-model"

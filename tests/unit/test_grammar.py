@@ -136,6 +136,57 @@ def test_batch_fill_on_threads_equals_one_by_one():
         assert torch.equal(a, b)
 
 
+def test_jump_forward_retokenizes_the_boundary():
+    """The sampled token and the forced string are tokenized together: `{` then the forced
+    `"customer_full_name": "` become the tokenizer's own `{"`, `customer`, ... (the sampled `{`
+    replaced), every token allowed by the grammar, the matcher where the text leaves it."""
+    import json
+
+    import xgrammar as xgr
+
+    from radix_runtime.grammar.matcher import SlotGrammar
+
+    tokenizer, cache = grammar_cache()
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"customer_full_name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["customer_full_name", "age"],
+        }
+    )
+    cache.submit("json_schema", schema)
+    compiled = cache.get("json_schema", schema)
+    encode = cache.encode
+    (brace,) = encode("{")
+
+    def after_brace() -> SlotGrammar:
+        g = SlotGrammar(compiled)
+        g.accept(brace)
+        return g
+
+    forced_text = '"customer_full_name": "'
+    # on its own (no token_bytes): the sampled `{` stays, the string is tokenized alone
+    replaced, alone = after_brace().jump_forward(encode)
+    assert replaced is None and alone == encode(forced_text)
+    g = after_brace()
+    replaced, forced = g.jump_forward(encode, cache.token_bytes)
+    assert replaced is not None and replaced != brace
+    assert [replaced, *forced] == encode("{" + forced_text)  # the tokenizer's own tokens
+    assert tokenizer.decode([replaced, *forced]) == "{" + forced_text
+    # the matcher is where the text leaves it: the string's value comes next, then `", "age"`
+    reference = xgr.GrammarMatcher(compiled)
+    for t in encode("{" + forced_text):
+        assert reference.accept_token(t)
+    for t in encode('Bob"'):
+        g.accept(t)
+        assert g.error is None and reference.accept_token(t)
+    assert g.matcher.find_jump_forward_string() == reference.find_jump_forward_string()
+    replaced, forced = g.jump_forward(encode, cache.token_bytes)
+    assert replaced is not None  # `"` + `, "age":` -> `",`, ` "`, `age`, `":`
+    assert tokenizer.decode([replaced, *forced]) == '", "age":'
+    assert [replaced, *forced] == encode('", "age":')
+
+
 # ---------------------------------------------------------------------------------------------
 # the scheduler's side: a request waits for its grammar without holding anything up
 

@@ -63,7 +63,7 @@ def test_packed_checkpoint_equals_the_dequantized_one(fmt, tmp_path):
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
         checked += 1
     assert checked == 2 * 4  # 2 layers x (qkv, o, gate_up, down)
-    assert packed.quantization == fmt
+    assert packed.quantization == fmt and packed.packed_int4 and not plain.packed_int4
 
 
 def test_rtn_packed_equals_rtn_dequantized():
@@ -89,7 +89,23 @@ def test_rtn_model_is_packed_when_asked():
         p.data.normal_(0, 0.1)
     quant.quantize_model_int4_rtn(net, packed=True)
     kinds = {type(layer) for _, _, layer in _projections(net)}
-    assert kinds == {quant.Int4Linear} and net.quantization == "int4"
+    assert kinds == {quant.Int4Linear} and net.quantization == "int4" and net.packed_int4
+
+
+def test_shapes_the_kernels_cannot_take_stay_dequantized():
+    """A projection whose input width is not whole packed words of whole groups of 8 keeps the
+    dequantized weight (the kernels would refuse it at run time)."""
+    assert quant.int4_packable(256, 128) and not quant.int4_packable(36, 4)
+    cfg = _tiny_llama().config.to_dict()
+    cfg.update(hidden_size=36, num_attention_heads=2, num_key_value_heads=1, head_dim=18)
+    net = build_model(config_from_hf_dict(cfg), CPU, torch.float32)
+    for p in net.parameters():
+        p.data.normal_(0, 0.1)
+    quant.quantize_model_int4_rtn(net, packed=True)
+    kinds = {name: type(layer) for _, name, layer in _projections(net)}
+    assert kinds["qkv_proj"] is not quant.Int4Linear  # K = 36
+    assert kinds["down_proj"] is quant.Int4Linear  # K = 128
+    assert net.packed_int4  # the fused path then takes no batch-1 GEMV-only route
 
 
 def _projections(net):
@@ -97,3 +113,34 @@ def _projections(net):
         for name, child in parent.named_children():
             if name.endswith("_proj"):
                 yield parent, name, child
+
+
+def test_fused_path_picks_the_int4_kernel_by_rows(monkeypatch):
+    """FusedOps.project on a packed layer: the GEMV up to int4_gemv_max_rows rows, the GEMM up to
+    int4_gemm_max_rows, the layer's own (dequantizing) forward beyond, and always with
+    int4_gemv off; the bias is added after a kernel."""
+    from radix_runtime.worker.kernels import KernelConfig, int4_gemv
+    from radix_runtime.worker.kernels.ops import FusedOps
+
+    calls = []
+
+    def recorder(kind):
+        def run(x, qweight, scales, zeros, group, config=None):
+            calls.append((kind, x.shape[0]))
+            return int4_gemv_torch(x, qweight, scales, zeros, group)
+
+        return run
+
+    monkeypatch.setattr(int4_gemv, "int4_gemv", recorder("gemv"))
+    monkeypatch.setattr(int4_gemv, "int4_gemm", recorder("gemm"))
+    dense = Linear(128, 24, True, torch.float32)
+    dense.weight.data.normal_(0, 0.1)
+    dense.bias.data.normal_(0, 0.1)
+    layer = quant.Int4Linear.from_linear(dense)
+    ops = FusedOps(KernelConfig(int4_gemv_max_rows=2, int4_gemm_max_rows=16))
+    for rows in (1, 2, 3, 16, 17):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(ops.project(x, layer), layer(x), rtol=1e-5, atol=1e-5)
+    assert calls == [("gemv", 1), ("gemv", 2), ("gemm", 3), ("gemm", 16)]
+    FusedOps(KernelConfig(int4_gemv=False)).project(torch.randn(1, 128), layer)
+    assert len(calls) == 4

@@ -1,6 +1,7 @@
 """A schema-driven fuzz test of the served API: request bodies generated from the schema in
 /openapi.json (`from_schema` below), some of them then broken on purpose, sent to the real app
-(against the fake manager: the HTTP layer, validation and the renderers are the product's own).
+(over the real manager and a scripted scheduler, tests/http_support.py: the HTTP layer,
+validation, the manager and the renderers are the product's own).
 Every answer must be below 500 and conform to the schema the same document declares for its
 status: the response shape for a 200, the OpenAI error body for a 4xx. Bounded: EXAMPLES bodies
 per route."""
@@ -9,15 +10,18 @@ from __future__ import annotations
 
 import jsonschema
 import pytest
+from http_support import new_manager_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_http_api import FakeManager, make_client
+
+from radix_runtime.config import ServerArgs
+from radix_runtime.server.http_server import build_app
 
 EXAMPLES = 150
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/generate"]
 
-_client = make_client(FakeManager())
-_SCHEMA = _client.get("/openapi.json").json()
+# what GET /openapi.json serves (the app's schema needs no running manager)
+_SCHEMA = build_app(new_manager_for("/nonexistent"), ServerArgs()).openapi()
 _COMPONENTS = _SCHEMA["components"]["schemas"]
 
 
@@ -127,7 +131,7 @@ def _fields(path: str) -> dict[str, st.SearchStrategy]:
 
 
 @pytest.mark.parametrize("path", ROUTES)
-def test_schema_generated_requests_never_5xx_and_every_answer_conforms(path):
+def test_schema_generated_requests_never_5xx_and_every_answer_conforms(server, path):
     fields = _fields(path)
     # NOTE: built once: jsonschema.validate() would check the schema itself on every call
     ok = jsonschema.Draft202012Validator(_response_schema(path, 200))
@@ -152,7 +156,7 @@ def test_schema_generated_requests_never_5xx_and_every_answer_conforms(path):
                 body.pop(key)
             else:
                 body[key] = junk
-        resp = _client.post(path, json=body)
+        resp = server.client.post(path, json=body)
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
         assert resp.status_code < 500, (body, resp.text)
         if resp.status_code == 200:

@@ -1,11 +1,11 @@
 """Cache salts and API-key tenants -> the radix tree namespace each request is sent with
-(the HTTP layer against a fake manager; tests/integration/test_tenancy_e2e.py runs the real
-server)."""
+(the HTTP layer over the real manager, read off the GenerateReq a scripted scheduler receives;
+tests/integration/test_tenancy_e2e.py runs the real server)."""
 
 from __future__ import annotations
 
 import pytest
-from test_http_api import FakeManager, assert_error, chat_body, make_client
+from http_support import Served, assert_error, chat_body, served
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.frontend.tenancy import cache_namespace, find_tenant, load_tenants
@@ -17,16 +17,16 @@ ROUTES = [
 ]
 
 
-def namespaces_of(manager: FakeManager) -> set[str]:
-    out = {inp.cache_namespace for inp in manager.inputs}
-    manager.inputs.clear()
+def namespaces_of(s: Served) -> set[str]:
+    """The namespaces of the requests the scheduler received since the last call."""
+    out = {req.cache_namespace for req in s.sched.requests}
+    s.sched.requests.clear()
     return out
 
 
 @pytest.mark.parametrize("path, body", ROUTES)
-def test_salt_names_the_namespace_on_every_route(path, body):
-    manager = FakeManager()
-    client = make_client(manager)
+def test_salt_names_the_namespace_on_every_route(server, path, body):
+    client, manager = server.client, server
     assert client.post(path, json=body).status_code == 200
     assert namespaces_of(manager) == {""}  # no salt: the public namespace
     for field in ("cache_salt", "extra_key"):  # SGLang's name is an alias
@@ -48,28 +48,27 @@ def test_salt_names_the_namespace_on_every_route(path, body):
         ({"cache_salt": "a", "extra_key": "b"}, "extra_key"),
     ],
 )
-def test_bad_salts_are_400(path, body, patch, param):
-    manager = FakeManager()
-    assert_error(make_client(manager).post(path, json={**body, **patch}), 400, param=param)
-    assert manager.inputs == []
+def test_bad_salts_are_400(server, path, body, patch, param):
+    assert_error(server.client.post(path, json={**body, **patch}), 400, param=param)
+    assert server.manager.inputs == []
 
 
-def test_n_choices_and_batches_share_the_namespace():
-    manager = FakeManager()
-    client = make_client(manager)
+def test_n_choices_and_batches_share_the_namespace(server):
     body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 1, "cache_salt": "x"}
-    assert client.post("/v1/completions", json=body).status_code == 200
-    assert len(manager.inputs) == 4
-    assert namespaces_of(manager) == {"salt:x"}
+    assert server.client.post("/v1/completions", json=body).status_code == 200
+    assert len(server.sched.requests) == 4
+    assert namespaces_of(server) == {"salt:x"}
 
 
 def test_api_key_isolation_gives_every_key_its_own_namespace(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# key tenant\nkey-a alice\nkey-b bob\n\nkey-b2 bob\nkey-c\n")
-    manager = FakeManager()
-    client = make_client(
-        manager, api_key=["key-0"], api_key_file=str(keys), cache_isolation="api-key"
-    )
+    with served(api_key=["key-0"], api_key_file=str(keys), cache_isolation="api-key") as s:
+        check_isolation(s)
+
+
+def check_isolation(s: Served) -> None:
+    client, manager = s.client, s
     body = {"prompt": "abc", "max_tokens": 1}
 
     def ns(key: str, **extra) -> str:
@@ -90,15 +89,14 @@ def test_api_key_isolation_gives_every_key_its_own_namespace(tmp_path):
 
 
 def test_without_isolation_keys_do_not_split_the_cache():
-    manager = FakeManager()
-    client = make_client(manager, api_key=["k1", "k2"])
-    for key in ("k1", "k2"):
-        headers = {"Authorization": f"Bearer {key}"}
-        resp = client.post(
-            "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=headers
-        )
-        assert resp.status_code == 200
-    assert namespaces_of(manager) == {""}
+    with served(api_key=["k1", "k2"]) as s:
+        for key in ("k1", "k2"):
+            headers = {"Authorization": f"Bearer {key}"}
+            resp = s.client.post(
+                "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=headers
+            )
+            assert resp.status_code == 200
+        assert namespaces_of(s) == {""}
 
 
 def test_salted_and_tenant_namespaces_never_collide():

@@ -329,7 +329,10 @@ REQUIRED_REPLIES = [
     '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
     # cut by max_tokens inside the second call: the first is kept
     '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "param',
-    '[{"name": "get_weather", "parameters": {"ci',  # cut inside the first: content
+    # cut inside the first call's arguments: the call stays, its arguments cut short (OpenAI's
+    # finish_reason "length" reply)
+    '[{"name": "get_weather", "parameters": {"ci',
+    '[{"name": "get_wea',  # cut before the first call's arguments: content
 ]
 
 
@@ -341,13 +344,49 @@ def test_required_list_streams_call_by_call(reply):
         s_content, s_calls = stream_pieces(plan, reply, size)
         assert s_content == content
         assert [(c.name, c.arguments) for c in s_calls] == [(c.name, c.arguments) for c in calls]
-    expected = {0: ["get_weather", "get_time"], 1: ["get_weather"], 2: []}[
+    expected = {0: ["get_weather", "get_time"], 1: ["get_weather"], 2: ["get_weather"], 3: []}[
         REQUIRED_REPLIES.index(reply)
     ]
     assert [c.name for c in calls] == expected
     assert content == ("" if expected else reply)
-    # the first call is out as soon as its object closes
+    if REQUIRED_REPLIES.index(reply) == 2:
+        assert calls[0].arguments == '{"ci'
+    # the first call is out as soon as its arguments start
     if expected:
         parser = plan.new_parser()
-        first = reply.index("}}") + 2
-        assert [c.name for c in parser.feed(reply[:first]).calls] == expected[:1]
+        start = reply.index('"parameters": ') + len('"parameters": ') + 1
+        assert [c.name for c in parser.feed(reply[:start]).calls] == expected[:1]
+
+
+def stream_deltas(plan, text, size):
+    """The tool_calls deltas of `text` fed in pieces of `size` characters, per feed."""
+    parser = plan.new_parser()
+    per_feed = [parser.feed(text[i : i + size]).deltas for i in range(0, len(text), size)]
+    return per_feed + [parser.finish().deltas], parser.calls
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_stream_arguments_as_they_are_generated(choice):
+    """required / a named function: the call's id and name go out as soon as its arguments
+    start, then each piece of the arguments as it arrives (OpenAI's stream shape); the
+    fragments join to the arguments of the whole reply's parse."""
+    tool_choice = NamedToolChoice(function=NamedFunction(name="get_weather"))
+    plan = plan_tools(
+        [WEATHER, TIME], "required" if choice == "required" else tool_choice, None, "hermes"
+    )
+    args = '{"city": "Paris \\"the {city} of light\\"", "days": 3}'
+    reply = f'[{{"name": "get_weather", "parameters": {args}}}]' if choice == "required" else args
+    _, whole = parse_reply(plan, reply)
+    assert [(c.name, c.arguments) for c in whole] == [("get_weather", args)]
+    json.loads(args)
+    per_feed, calls = stream_deltas(plan, reply, 4)
+    deltas = [d for feed in per_feed for d in feed]
+    head, *fragments = deltas
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert head["id"].startswith("call_") and head["index"] == 0
+    assert all(set(d) == {"index", "function"} and d["index"] == 0 for d in fragments)
+    assert len(fragments) >= len(args) // 4  # a fragment per piece fed, not one at the end
+    assert "".join(d["function"]["arguments"] for d in fragments) == args
+    # the head goes out before the arguments are complete
+    first = next(i for i, feed in enumerate(per_feed) if feed)
+    assert (first + 1) * 4 < len(reply) - len(args) // 2

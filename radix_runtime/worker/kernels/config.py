@@ -25,10 +25,13 @@ class KernelConfig:
     # (BLOCK_N, BLOCK_K, num_warps) of the GEMV per (rows, cols, prologue, add): the H200's
     # table, updated from the sweep named by $RADIX_RUNTIME_GEMV_CONFIGS
     gemv_configs: GemvTable = field(default_factory=default_gemv_configs)
-    # int4 weights (AWQ / GPTQ checkpoints, --quantization int4) stay packed on the GPU and
-    # projections of up to int4_gemv_max_rows rows run the Triton int4 GEMV (larger ones
-    # dequantize the weight per call); False: dequantized to the model dtype at load
+    # int4 weights (AWQ / GPTQ checkpoints, --quantization int4) stay packed on the GPU:
+    # projections of up to int4_gemv_max_rows rows run the Triton int4 GEMV, up to
+    # int4_gemm_max_rows the int4 GEMM (each weight tile read once for all rows), more rows
+    # (prefill chunks) dequantize the weight per call and run cuBLAS; False: dequantized to the
+    # model dtype at load. The thresholds are not measured yet (bench/quant.py's gemv_int4)
     int4_gemv: bool = True
-    int4_gemv_max_rows: int = 8
+    int4_gemv_max_rows: int = 4
+    int4_gemm_max_rows: int = 256
     # (BLOCK_N, BLOCK_KW, num_warps) of the int4 GEMV (None: kernels/int4_gemv.py's default)
     int4_gemv_config: tuple[int, int, int] | None = None

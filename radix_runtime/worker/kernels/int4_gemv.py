@@ -1,4 +1,5 @@
-"""W4A16 GEMV for decode: packed int4 weights dequantized in registers, and the torch reference.
+"""W4A16: packed int4 weights dequantized in registers, a GEMV for decode rows and a GEMM for
+many rows, and the torch reference.
 
 The layout (what worker/quant.py's `Int4Linear` holds, repacked at load from AWQ's or GPTQ's):
 - `qweight` int32 [N, K/8]: nibble i (bits 4i..4i+3) of word j holds q[n, 8j + i], 0..15, so a
@@ -100,6 +101,103 @@ def int4_gemv(
     _int4_gemv_kernel[(m, triton.cdiv(n, block_n))](
         x, qweight, scales, zeros, y, n, k, scales.shape[1], x.stride(0), y.stride(0),
         GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# many rows (prefill, larger decode batches): a GEMM on tensor cores
+#
+# The 8 nibbles of a packed word are 8 columns of W spaced one apart; taking nibble i of every
+# word of a tile gives W's columns 8j + i, a [BLOCK_N, BLOCK_KW] tile that multiplies x's columns
+# 8j + i. So a K step is 8 tensor-core products of depth BLOCK_KW, each of a tile dequantized in
+# registers and rounded to x's dtype (as the dequantized path rounds W), without forming W.
+
+
+def int4_gemm_config(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages) for `m` rows: tiles that compile for
+    sm_90 without register spills (ptxas -v), small M blocks for decode batches (each weight
+    tile read once for all rows), large ones for long inputs. Not tuned on the GPU yet."""
+    if m <= 16:
+        return (16, 64, 16, 4, 2)
+    if m <= 32:
+        return (32, 64, 16, 4, 2)
+    if m <= 128:
+        return (64, 64, 16, 4, 2)
+    return (128, 128, 16, 8, 3)
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    groups,
+    x_stride,
+    y_stride,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KW: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_stride
+    w_rows = rn.to(tl.int64)[:, None]
+    kw_total = K // 8
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kw0 in range(0, kw_total, BLOCK_KW):
+        jw = kw0 + tl.arange(0, BLOCK_KW)
+        w_ok = jw < kw_total
+        ok = n_ok[:, None] & w_ok[None, :]
+        words = tl.load(qw_ptr + w_rows * kw_total + jw[None, :], mask=ok, other=0)
+        sz = w_rows * groups + ((jw * 8) // GROUP)[None, :]
+        s = tl.load(s_ptr + sz, mask=ok, other=0.0)
+        z = tl.load(z_ptr + sz, mask=ok, other=0).to(tl.float32)
+        for i in tl.static_range(8):
+            xi = tl.load(x_rows + (jw * 8 + i)[None, :], mask=m_ok[:, None] & w_ok[None, :],
+                         other=0.0)  # fmt: skip
+            wi = ((((words >> (4 * i)) & 0xF).to(tl.float32) - z) * s).to(xi.dtype)
+            acc = tl.dot(xi, tl.trans(wi), acc)
+    out = y_ptr + rm.to(tl.int64)[:, None] * y_stride + rn[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def int4_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """`int4_gemv` for many rows, on tensor cores: W's tiles are dequantized in registers and
+    rounded to x's dtype (bf16 / fp16). `config` (BLOCK_M, BLOCK_N, BLOCK_KW, num_warps,
+    num_stages) overrides `int4_gemm_config(M)`."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if qweight.shape != (n, k // 8) or k % 8 or group_size % 8:
+        raise ValueError(
+            f"int4_gemm: input of {k} columns, qweight {tuple(qweight.shape)}, group {group_size}"
+        )
+    if scales.shape != (n, -(-k // group_size)) or zeros.shape != scales.shape:
+        raise ValueError(f"int4_gemm: scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_m, block_n, block_kw, warps, stages = config or int4_gemm_config(m)
+    _int4_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x, qweight, scales, zeros, y, m, n, k, scales.shape[1], x.stride(0), y.stride(0),
+        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return y
 

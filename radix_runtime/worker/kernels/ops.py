@@ -52,14 +52,18 @@ class FusedOps:
         """A decoder projection: `linear` for a plain layer; for an FP8 one (worker/quant.py's
         Fp8Linear, which has a `weight_scale`) the scaled GEMV at one row, else its own forward
         (FP8 tensor cores); for a packed int4 one (an Int4Linear, which has a `qweight`) the int4
-        GEMV up to `int4_gemv_max_rows` rows, else its own forward (dequantized per call)."""
+        GEMV, the int4 GEMM or its own forward (dequantized per call) by the number of rows."""
         qweight = getattr(layer, "qweight", None)
         if qweight is not None:
-            if self.config.int4_gemv and x.shape[0] <= self.config.int4_gemv_max_rows:
-                y = int4_gemv.int4_gemv(x, qweight, layer.scales, layer.zeros, layer.group_size,
-                                        self.config.int4_gemv_config)  # fmt: skip
-                return y if layer.bias is None else y.add_(layer.bias)
-            return layer(x)
+            c, rows = self.config, x.shape[0]
+            args = (x, qweight, layer.scales, layer.zeros, layer.group_size)
+            if c.int4_gemv and rows <= c.int4_gemv_max_rows:
+                y = int4_gemv.int4_gemv(*args, c.int4_gemv_config)
+            elif c.int4_gemv and rows <= c.int4_gemm_max_rows:
+                y = int4_gemv.int4_gemm(*args)
+            else:
+                return layer(x)
+            return y if layer.bias is None else y.add_(layer.bias)
         scale = getattr(layer, "weight_scale", None)
         if scale is None:
             return self.linear(x, layer.weight, layer.bias)

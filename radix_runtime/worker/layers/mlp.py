@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radix_runtime.worker.layers.linear import Linear
+from radix_runtime.worker.layers.linear import Linear, RowParallelLinear
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -24,15 +24,22 @@ ACTIVATIONS = {
 
 class GatedMLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, act: str = "silu"
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        act: str = "silu",
+        tp_size: int = 1,
     ) -> None:
+        """`intermediate_size`: this rank's share with tensor parallelism (gate/up hold those
+        rows, down those columns, its output summed over the `tp_size` ranks)."""
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden activation {act!r} is not supported ({sorted(ACTIVATIONS)})")
         self.act_name = act
         self.act = ACTIVATIONS[act]
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

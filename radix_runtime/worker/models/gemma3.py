@@ -30,6 +30,7 @@ from radix_runtime.worker.layers import (
     GemmaRMSNorm,
     Linear,
     RotaryEmbedding,
+    reduce_row_parallel,
 )
 from radix_runtime.worker.model_config import ModelConfig
 from radix_runtime.worker.models.llama import LlamaForCausalLM
@@ -56,7 +57,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_id, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.mlp = GatedMLP(h, config.intermediate_size, dtype, config.hidden_act)
+        self.mlp = GatedMLP(h, config.intermediate_size, dtype, config.hidden_act, config.tp_size)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
 
     def forward(
@@ -155,13 +156,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             )  # fmt: skip
             v = qkv[:, c.q_size + c.kv_size :].view(-1, c.num_kv_heads, c.head_dim)
             out = attn.forward(a.layer_id, q, k, v, kv_pool).view(-1, c.q_size)
-            h = ops.project(out, a.o_proj)
+            h = reduce_row_parallel(a.o_proj, ops.project(out, a.o_proj))
             x = ops.gemma_norm_add_norm(
                 h, residual, layer.post_attention_layernorm.weight,
                 layer.pre_feedforward_layernorm.weight, eps,
             )  # fmt: skip
             gate_up = ops.project(x, mlp.gate_up_proj)
-            h = ops.project(ops.gelu_tanh_and_mul(gate_up), mlp.down_proj)
+            down = ops.project(ops.gelu_tanh_and_mul(gate_up), mlp.down_proj)
+            h = reduce_row_parallel(mlp.down_proj, down)
         return ops.gemma_norm_add_norm(
             h, residual, layers[-1].post_feedforward_layernorm.weight, self.model.norm.weight, eps
         )

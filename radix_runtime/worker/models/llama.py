@@ -24,11 +24,12 @@ from radix_runtime.worker.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     apply_rope,
+    reduce_row_parallel,
 )
 from radix_runtime.worker.model_config import ModelConfig
 from radix_runtime.worker.models.checkpoint import fused_name, shard_rows, shards_of
-from radix_runtime.worker.quant import Int4Linear
 
 if TYPE_CHECKING:
     from radix_runtime.worker.kernels.ops import FusedOps
@@ -41,7 +42,9 @@ class LlamaAttention(nn.Module):
         self.config = config
         qkv_out = config.q_size + 2 * config.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_out, config.qkv_bias, dtype)
-        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias, dtype)
+        self.o_proj = RowParallelLinear(
+            config.q_size, config.hidden_size, config.o_bias, dtype, config.tp_size
+        )
 
     def forward(
         self,
@@ -69,7 +72,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, layer_id, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, dtype, tp_size=config.tp_size
+        )
 
     def forward(
         self,
@@ -99,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
     # the decoder projections' format: none | fp8 (worker/quant.py swaps the layers) | int4 / awq
     # / gptq (packed Int4Linear layers on CUDA, dequantized weights elsewhere)
     quantization = "none"
+    packed_int4 = False  # some decoder projections are Int4Linear (worker/quant.py)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -147,10 +153,9 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
-        # FP8 layers: the GEMV reads their scales; packed int4 ones take the per-projection path
-        row_ok = not (
-            c.qkv_bias or c.o_bias or isinstance(layers[0].self_attn.qkv_proj, Int4Linear)
-        )
+        # FP8 layers: the GEMV reads their scales; packed int4 ones take the per-projection path;
+        # tensor parallelism: the o/down GEMVs' residual-add epilogue would add a partial sum
+        row_ok = not (c.qkv_bias or c.o_bias or c.tp_size > 1 or self.packed_int4)
         if h.shape[0] == 1 and ops.row_fusion and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
@@ -161,10 +166,11 @@ class LlamaForCausalLM(nn.Module):
             a, mlp = layer.self_attn, layer.mlp
             qkv = ops.project(x, a.qkv_proj)
             out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
-            h = ops.project(out, a.o_proj)
+            h = reduce_row_parallel(a.o_proj, ops.project(out, a.o_proj))
             x = ops.fused_add_rmsnorm(h, residual, layer.post_attention_layernorm.weight, eps)
             gate_up = ops.project(x, mlp.gate_up_proj)
-            h = ops.project(ops.silu_and_mul(gate_up), mlp.down_proj)
+            down = ops.project(ops.silu_and_mul(gate_up), mlp.down_proj)
+            h = reduce_row_parallel(mlp.down_proj, down)
         return ops.fused_add_rmsnorm(h, residual, self.model.norm.weight, eps)
 
     def _forward_row(
