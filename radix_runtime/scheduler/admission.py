@@ -47,6 +47,9 @@ IN_BATCH_SHARE_THRESHOLD = 32
 # Admission expects at most this many more output tokens of a request (as SGLang's
 # CLIP_MAX_NEW_TOKENS): a request asking for the whole context does not hold back every other.
 EXPECTED_OUTPUT_CLIP = 4096
+# ... and at least this fraction of it, however early finished requests stopped (as SGLang's
+# minimum new-token ratio): a workload whose first replies are short still keeps some room
+MIN_EXPECTED_FRACTION = 0.1
 
 
 class Admission:
@@ -277,13 +280,15 @@ class Admission:
         """Pages `req` is expected to need beyond those that hold `kv_len` tokens (or those it
         holds, if more): the rest of its prompt and its expected output, i.e. its remaining
         max_new_tokens (at most EXPECTED_OUTPUT_CLIP) times --schedule-conservativeness times
-        the fraction of max_new_tokens finished requests used; 0 with a conservativeness of 0."""
+        the fraction of max_new_tokens finished requests used (at least MIN_EXPECTED_FRACTION);
+        0 with a conservativeness of 0."""
         scale = self.args.schedule_conservativeness
         if scale <= 0:
             return 0
         remaining = req.sampling.max_new_tokens - (all_len - len(req.prompt))
         output = min(max(remaining, 0), EXPECTED_OUTPUT_CLIP)
-        expect = math.ceil(output * min(scale * self.queues.output_fraction, 1.0))
+        fraction = max(self.queues.output_fraction, MIN_EXPECTED_FRACTION)
+        expect = math.ceil(output * min(scale * fraction, 1.0))
         final = min(all_len + expect, self.context_length)
         ps = self.kv.page_size
         held = max(math.ceil(kv_len / ps), len(req.pages))

@@ -75,14 +75,16 @@ def test_early_finishes_lower_the_expected_output():
     _, finished, sched = run_workload(prompts, 200, pool_tokens=4096, stop_ids=range(1, 60))
     assert all(reason == "stop" for reason in finished.values())
     assert sched.queues.output_fraction < 0.5
-    sched.queues.output_fraction = 0.3
-    waiting = shared_prefix_prompts(seed=3, n=1)[0]
-    sched.add_request(
-        m.GenerateReq(
-            rid="x", input_ids=m.pack_ids(waiting), sampling=m.SamplingParams(max_new_tokens=4)
-        )
-    )
-    batch, plan = sched.schedule()
-    req = plan[0].req
-    sched.queues.retract(req)
+    prompt = shared_prefix_prompts(seed=3, n=1)[0]
+    sampling = m.SamplingParams(max_new_tokens=100)
+    sched.add_request(m.GenerateReq(rid="x", input_ids=m.pack_ids(prompt), sampling=sampling))
+    req, n = sched.waiting[0], len(prompt)
+    # page size 1: its expected pages past the prompt are its expected output tokens
+    for fraction, expected in ((1.0, 100), (0.3, 30), (0.0, 10)):  # at least a tenth
+        sched.queues.output_fraction = fraction
+        assert sched.admission.expected_pages(req, n, n) == expected
+    # and the prompt tokens its pages do not hold yet
+    assert sched.admission.expected_pages(req, n, n - 5) == 10 + 5
+    _, plan = sched.schedule()
+    sched.queues.retract(plan[0].req)
     assert sched.queues.output_fraction == 1.0
