@@ -9,7 +9,9 @@ offset (so the rows are in different grammar states): bench/structured.py's long
 an object schema with strings, numbers, enums and a nested array, and any JSON. Per --threads
 value (0: the matchers one after another on the step's thread; N: xgrammar's
 BatchGrammarMatcher on N threads), the median host ms per step of accept + fill at each grammar,
-and the ratio to the 0-thread path measured in the same run.
+and the ratio to `per_row` measured in the same run, interleaved: the worker's previous path
+(each row's token read from the step's ids and accepted on its own, a fresh bitmask, the
+matchers filled one after another).
 
 This is the work the worker does between step N's token reaching the host and step N+1's
 mask being queued; on a GPU it overlaps step N+1's forward (docs/structured_output.md), so it
@@ -71,8 +73,24 @@ def texts(steps: int) -> dict[str, tuple[tuple[str, str], str]]:
     }
 
 
-def measure(sampler, params, ids: list[int], batch: int, steps: int) -> list[float]:
-    """Seconds of grammar_masks per step, for `batch` rows decoding `ids` from offsets i*3."""
+def per_row_masks(sampler, slots: list[int]):
+    """The reference: each row's pending token read and accepted on its own, a fresh bitmask,
+    the matchers filled one after another (the worker's path before `BatchMasks`)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(slots), sampler.vocab_size)
+    rows = []
+    for i, slot in enumerate(slots):
+        g = sampler.slots[slot].grammar
+        g.resolve()
+        if not g.finished and g.matcher.fill_next_token_bitmask(bitmask, i):
+            rows.append(i)
+    return bitmask, rows
+
+
+def measure(sampler, params, ids: list[int], batch: int, steps: int, reference=False):
+    """Seconds of grammar_masks (`reference`: per_row_masks) per step, for `batch` rows
+    decoding `ids` from offsets i*3."""
     slots = list(range(batch))
     for slot in slots:
         sampler.reset_slot(slot, params)
@@ -83,7 +101,7 @@ def measure(sampler, params, ids: list[int], batch: int, steps: int) -> list[flo
         host_ids = torch.tensor([ids[slot * 3 + step] for slot in slots])
         sampler.note_sampled(slots, step, host_ids, None)
         t0 = time.perf_counter()
-        masks = sampler.grammar_masks(slots)
+        masks = per_row_masks(sampler, slots) if reference else sampler.grammar_masks(slots)
         times.append(time.perf_counter() - t0)
         assert masks is not None
         for slot in slots:
@@ -133,18 +151,26 @@ def main() -> None:
             n: Sampler(args.vocab, torch.device("cpu"), 0, [], cache, fill_threads=n)
             for n in threads
         }
-        samples: dict[int, list[float]] = {n: [] for n in threads}
-        for _ in range(args.repeats):  # interleaved: a busy machine slows every path alike
-            for n in threads:
-                samples[n] += measure(samplers[n], params, ids, args.batch, args.steps)[5:]
-        for n in threads:
-            row["ms_per_step"][str(n)] = statistics.median(samples[n]) * 1e3
-        base = row["ms_per_step"][str(threads[0])]
-        row["ratio_to_first"] = {k: v / base for k, v in row["ms_per_step"].items()}
+        samples: dict[str, list[float]] = {"per_row": [], **{str(n): [] for n in threads}}
+        variants = list(samples)
+        for r in range(args.repeats):  # interleaved, the order rotated: a busy machine slows
+            for key in variants[r % len(variants) :] + variants[: r % len(variants)]:  # all alike
+                n = threads[0] if key == "per_row" else int(key)
+                reference = key == "per_row"
+                samples[key] += measure(
+                    samplers[n], params, ids, args.batch, args.steps, reference
+                )[5:]
+        for key, values in samples.items():
+            row["ms_per_step"][key] = statistics.median(values) * 1e3
+        base = row["ms_per_step"]["per_row"]
+        row["ratio_to_per_row"] = {k: v / base for k, v in row["ms_per_step"].items()}
         rows.append(row)
         print(
             f"{name:>11}: "
-            + "  ".join(f"{k} threads {v:.3f} ms" for k, v in row["ms_per_step"].items())
+            + "  ".join(
+                f"{k if k == 'per_row' else k + ' threads'} {v:.3f} ms"
+                for k, v in row["ms_per_step"].items()
+            )
         )
     logits = torch.randn(args.batch, args.vocab)
     bitmask = xgr.allocate_token_bitmask(args.batch, args.vocab)
@@ -155,7 +181,9 @@ def main() -> None:
     print(f"CPU apply kernel (device work on a GPU): {apply_ms:.2f} ms per step")
     result = {
         "provenance": provenance(
-            "the 0-thread path (matchers filled one after another) in the same run"
+            "per_row (each row's token read and accepted on its own, a fresh bitmask, the "
+            "matchers filled one after another: the worker's path before BatchMasks), in the "
+            "same run, interleaved"
         ),
         "config": {
             "batch": args.batch,
@@ -163,6 +191,9 @@ def main() -> None:
             "steps": args.steps,
             "repeats": args.repeats,
             "threads": threads,
+            # the default model's tokenizer, or (a machine without it) 259 byte tokens, padded
+            # with never-allowed ids to --vocab
+            "tokenizer_vocab": tokenizer.vocab_size,
         },
         "host_ms_per_step": rows,
         "cpu_apply_ms": apply_ms,

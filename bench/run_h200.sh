@@ -21,6 +21,8 @@
 #              and prefill 8K in one run, the int4 GEMV block sweep -> $OUT/h200_quant_int4.json
 #   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
+#   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
+#              at batch 64 per --grammar-fill-threads value -> $OUT/h200_grammar_host.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -132,6 +134,9 @@ for stage in "${stages[@]}"; do
             timeout 580 python3 bench/structured.py --model llama-3.1-8b \
                 --server-args "--load-format dummy" --batch 1,64,256 --tokens 256 \
                 --out "$OUT/h200_structured.json" || status=1 ;;
+        grammar_host)
+            timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,2,4,8 \
+                --out "$OUT/h200_grammar_host.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;

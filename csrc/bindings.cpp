@@ -232,6 +232,12 @@ PyObject* node_get_host_pages(PyObject* self, void*) {
 PyObject* node_get_dev_children(PyObject* self, void*) {
     return PyLong_FromLongLong(self_node(self).dev_children);
 }
+PyObject* node_get_load_pending(PyObject* self, void*) {
+    return PyBool_FromLong(self_node(self).load_pending);
+}
+PyObject* node_get_in_copy_heap(PyObject* self, void*) {
+    return PyBool_FromLong(self_node(self).in_copy_heap);
+}
 PyObject* node_get_on_device(PyObject* self, void*) {
     return PyBool_FromLong(self_node(self).on_device());
 }
@@ -302,6 +308,8 @@ PyGetSetDef node_getset[] = {
      "the host tier's page ids (a read-only copy), None when not on the host", nullptr},
     {"dev_children", node_get_dev_children, nullptr, "children on the device", nullptr},
     {"on_device", node_get_on_device, nullptr, "whether the KV is on the device", nullptr},
+    {"load_pending", node_get_load_pending, nullptr, "a load into it is queued", nullptr},
+    {"in_copy_heap", node_get_in_copy_heap, nullptr, "filed as a droppable host copy", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -787,6 +795,7 @@ TREE_INT_GETTER(heap_size, static_cast<long long>(tree->heap_size()))
 TREE_INT_GETTER(host_cached_pages, tree->host_cached_pages())
 TREE_INT_GETTER(host_evictable_pages, tree->host_evictable_pages())
 TREE_INT_GETTER(host_heap_size, static_cast<long long>(tree->host_heap_size()))
+TREE_INT_GETTER(copy_heap_size, static_cast<long long>(tree->copy_heap_size()))
 #undef TREE_INT_GETTER
 
 PyObject* tree_get_root(PyObject* self, void*) {
@@ -804,6 +813,7 @@ PyGetSetDef tree_getset[] = {
     {"host_cached_pages", tree_get_host_cached_pages, nullptr, nullptr, nullptr},
     {"host_evictable_pages", tree_get_host_evictable_pages, nullptr, nullptr, nullptr},
     {"host_heap_size", tree_get_host_heap_size, nullptr, nullptr, nullptr},
+    {"copy_heap_size", tree_get_copy_heap_size, nullptr, nullptr, nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 

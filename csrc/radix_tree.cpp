@@ -151,6 +151,8 @@ void Tree::new_tree() {
     heap_limit_ = 1024;
     host_heap_.clear();
     host_heap_limit_ = 1024;
+    copy_heap_.clear();
+    copy_heap_limit_ = 1024;
     host_cached_ = host_evictable_ = 0;
 }
 
@@ -260,7 +262,7 @@ Node* Tree::insert(const int32_t* tokens, int64_t n, const int32_t* pages, int64
         ++num_nodes_;
         evictable_ += raw->num_pages();
         node = raw;
-        if (write_through_) write_to_host(raw);
+        if (write_through_ && write_to_host(raw)) push_copy(raw);
     }
     push_if_evictable_leaf(node);
     return node;
@@ -304,7 +306,13 @@ int64_t Tree::to_device(Node* node, const int32_t* pages, int64_t num_pages, boo
             evictable_ += k;
             host_evictable_ -= k;
         }
-        if (copy) loads_.push_back({n->host_pages, std::vector<int32_t>(n->pages(), n->pages() + k)});
+        if (copy) {
+            loads_.push_back({n->host_pages, std::vector<int32_t>(n->pages(), n->pages() + k)});
+            n->load_pending = true;  // its host copy stays until the load is taken
+            loading_.push_back(n->shared_from_this());
+        } else {
+            push_copy(n);
+        }
         tier_event(TierEvent::kLoaded, n->host_pages.data(), k, n->pages());
     }
     for (Node* n : path) push_if_evictable_leaf(n);
@@ -331,6 +339,32 @@ void Tree::take_copies(std::vector<Copy>& writes, std::vector<Copy>& loads, bool
     writes_.clear();
     loads_.clear();
     writes_block_ = false;
+    std::vector<NodePtr> loading = std::move(loading_);
+    loading_.clear();
+    for (const NodePtr& n : loading) {
+        n->load_pending = false;
+        push_copy(n.get());
+    }
+}
+
+void Tree::push_copy(Node* node) {
+    if (node->in_copy_heap || !node->on_host || node->num_pages() == 0 || !node->parent) return;
+    node->in_copy_heap = true;
+    copy_heap_.push_back({node->last_access, node->id, node->shared_from_this()});
+    std::push_heap(copy_heap_.begin(), copy_heap_.end(), Later{});
+    if (copy_heap_.size() > copy_heap_limit_) {
+        std::vector<HeapEntry> live;
+        for (auto& entry : copy_heap_) {
+            Node* n = entry.node.get();
+            if (n->parent && n->on_host && n->num_pages())
+                live.push_back(std::move(entry));
+            else
+                n->in_copy_heap = false;
+        }
+        std::make_heap(live.begin(), live.end(), Later{});
+        copy_heap_ = std::move(live);
+        copy_heap_limit_ = std::max<size_t>(1024, 2 * copy_heap_.size());
+    }
 }
 
 void Tree::tier_event(TierEvent::Kind kind, const int32_t* src, int64_t n, const int32_t* dst) {
@@ -367,6 +401,31 @@ bool Tree::host_entry_is_live(const HeapEntry& e) {
 
 int64_t Tree::evict_host(int64_t num_pages) {
     int64_t freed = 0;
+    // first the host copies of nodes also on the device (their KV stays there)
+    std::vector<int32_t> copies;
+    while (freed < num_pages && !copy_heap_.empty()) {
+        std::pop_heap(copy_heap_.begin(), copy_heap_.end(), Later{});
+        HeapEntry entry = std::move(copy_heap_.back());
+        copy_heap_.pop_back();
+        Node* node = entry.node.get();
+        node->in_copy_heap = false;
+        if (!node->parent || !node->on_host || node->num_pages() == 0) continue;
+        if (node->lock_ref || node->load_pending) continue;  // filed again by unlock / take
+        if (entry.time != node->last_access) {  // used since: its place is further down
+            node->in_copy_heap = true;
+            entry.time = node->last_access;
+            copy_heap_.push_back(std::move(entry));
+            std::push_heap(copy_heap_.begin(), copy_heap_.end(), Later{});
+            continue;
+        }
+        const int64_t k = static_cast<int64_t>(node->host_pages.size());
+        host_cached_ -= k;
+        freed += k;
+        copies.insert(copies.end(), node->host_pages.begin(), node->host_pages.end());
+        node->host_pages.clear();
+        node->on_host = false;
+    }
+    if (!copies.empty()) host_->free(copies.data(), static_cast<int64_t>(copies.size()));
     std::vector<int32_t> released;
     while (freed < num_pages && !host_heap_.empty()) {
         std::pop_heap(host_heap_.begin(), host_heap_.end(), Later{});
@@ -486,6 +545,8 @@ Node* Tree::split(Node* child, int64_t at) {
         upper->on_host = true;
         upper->host_pages.assign(child->host_pages.begin(), child->host_pages.begin() + cut);
         child->host_pages.erase(child->host_pages.begin(), child->host_pages.begin() + cut);
+        upper->load_pending = child->load_pending;
+        if (upper->load_pending) loading_.push_back(upper);
     }
 
     // The lower part keeps its identity (handles, lock counts and heap entries stay valid).
@@ -497,6 +558,7 @@ Node* Tree::split(Node* child, int64_t at) {
     Node* raw = upper.get();
     parent->children.add(hash, std::move(upper));
     ++num_nodes_;
+    if (raw->on_host) push_copy(raw);
     return raw;
 }
 
@@ -530,7 +592,12 @@ void Tree::unlock(Node* node) {
             const int64_t size = node->num_pages();
             protected_ -= size;
             evictable_ += size;
-            if (!size && node->on_host) host_evictable_ += static_cast<int64_t>(node->host_pages.size());
+            if (node->on_host) {
+                if (size)
+                    push_copy(node);  // its host copy may be dropped again
+                else
+                    host_evictable_ += static_cast<int64_t>(node->host_pages.size());
+            }
         }
     }
     push_if_evictable_leaf(start);  // only the start can be a leaf
@@ -776,6 +843,30 @@ void Tree::check_integrity(bool expect_unlocked) const {
     if (host_evictable != host_evictable_)
         fail("host evictable " + std::to_string(host_evictable_) + " != recount " +
              std::to_string(host_evictable));
+
+    // every unlocked node on both tiers without a queued load has one host-copy heap entry
+    std::vector<const Node*> entries;
+    for (const auto& entry : copy_heap_) {
+        if (!entry.node->in_copy_heap)
+            fail(entry.node->repr() + " in the host-copy heap without its flag");
+        entries.push_back(entry.node.get());
+    }
+    std::sort(entries.begin(), entries.end());
+    if (std::adjacent_find(entries.begin(), entries.end()) != entries.end())
+        fail("a node has two host-copy heap entries");
+    std::vector<const Node*> loading;
+    for (const NodePtr& n : loading_) loading.push_back(n.get());
+    std::sort(loading.begin(), loading.end());
+    for (const Node* node : all) {
+        if (node->load_pending && !std::binary_search(loading.begin(), loading.end(), node))
+            fail(node->repr() + " waits for a load that is not queued");
+        if (node->in_copy_heap) {
+            if (!std::binary_search(entries.begin(), entries.end(), node))
+                fail(node->repr() + " flagged but not in the host-copy heap");
+        } else if (node->on_host && node->num_pages() && !node->lock_ref && !node->load_pending) {
+            fail(node->repr() + " is on both tiers, not in the host-copy heap");
+        }
+    }
 }
 
 }  // namespace radix

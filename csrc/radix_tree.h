@@ -164,6 +164,8 @@ public:
     std::vector<int32_t> host_pages;
     int64_t dev_children = 0;
     int64_t host_heap_time = -1;
+    bool in_copy_heap = false;  // has an entry in the heap of host copies of device nodes
+    bool load_pending = false;  // a load into it is queued and not taken yet
 
     // The root and namespace nodes (no tokens) count as on the device.
     bool on_device() const { return num_pages_ > 0 || key_len_ == 0; }
@@ -239,6 +241,7 @@ public:
     int64_t host_cached_pages() const { return host_cached_; }
     int64_t host_evictable_pages() const { return host_evictable_; }
     size_t host_heap_size() const { return host_heap_.size(); }
+    size_t copy_heap_size() const { return copy_heap_.size(); }
     // Tier events are recorded only while asked for (a tier observer is set).
     void record_tier_events(bool on) { record_tier_ = on; }
     std::vector<TierEvent> take_tier_events() { return std::move(tier_events_); }
@@ -281,6 +284,7 @@ private:
     bool write_to_host(Node* node);
     void remove(Node* node);  // a device node leaves the tree with its host-only subtree
     void push_host_leaf(Node* node);
+    void push_copy(Node* node);  // a node on both tiers: its host copy may be dropped
     static bool host_entry_is_live(const HeapEntry& e);
     void tier_event(TierEvent::Kind kind, const int32_t* src, int64_t n, const int32_t* dst);
 
@@ -298,6 +302,11 @@ private:
     bool write_through_;
     std::vector<HeapEntry> host_heap_;
     size_t host_heap_limit_ = 1024;
+    // NOTE: one entry per node at most (Node::in_copy_heap); an entry whose node was used since
+    // is pushed again with its new stamp when it reaches the top (exact LRU, lazily)
+    std::vector<HeapEntry> copy_heap_;
+    size_t copy_heap_limit_ = 1024;
+    std::vector<NodePtr> loading_;  // the nodes of the queued loads
     int64_t host_cached_ = 0;     // host pages held by nodes
     int64_t host_evictable_ = 0;  // host pages of unlocked host-only nodes
     std::vector<Copy> writes_, loads_;

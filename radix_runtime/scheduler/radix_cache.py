@@ -33,8 +33,9 @@ The host tier (`--enable-hierarchical-cache`, docs/hicache.md): a node's KV live
 subtree (a node on the device has its parent on the device), so a match is a run of device nodes
 followed by a run of host-only nodes. Device eviction takes the LRU unlocked node none of whose
 children is on the device; it keeps the node on the host (writing it there first when it has no
-host copy yet) and removes it only when the host pool has no room. Host eviction takes the LRU
-unlocked host-only leaf; that node leaves the tree. The tree does not copy anything: it queues the
+host copy yet) and removes it only when the host pool has no room. Host eviction first drops the
+LRU host copies of unlocked nodes that are also on the device (their KV stays there), then takes
+the LRU unlocked host-only leaf; that node leaves the tree. The tree does not copy anything: it queues the
 copies (`take_copies`) that the scheduler sends to the worker with the next step. Without a host
 pool (`host_allocator` None) everything below reduces to the one-tier tree.
 
@@ -74,6 +75,8 @@ class TreeNode:
         "host_pages",
         "dev_children",
         "host_heap_time",
+        "in_copy_heap",
+        "load_pending",
     )
 
     def __init__(self, key_bytes: bytes, pages: np.ndarray, parent: TreeNode | None, node_id: int):
@@ -96,6 +99,8 @@ class TreeNode:
         self.host_pages: np.ndarray | None = None
         self.dev_children = 0  # children on the device (namespace nodes count as on the device)
         self.host_heap_time = -1  # as heap_time, for the host-leaf heap
+        self.in_copy_heap = False  # has an entry in the heap of host copies of device nodes
+        self.load_pending = False  # a load into it is queued and not taken yet
 
     @property
     def on_device(self) -> bool:
@@ -177,6 +182,7 @@ class RadixCache:
         self.on_tier = None  # see set_tier_observer
         self._writes: list[Copy] = []
         self._loads: list[Copy] = []
+        self._loading: list[TreeNode] = []  # the nodes of the queued loads
         self._writes_block = False
         self._key_step = 4 * page_size  # bytes of one page of int32 tokens
         self._ids = itertools.count()
@@ -192,6 +198,10 @@ class RadixCache:
         self._heap_limit = 1024
         self._host_heap: list[tuple[int, int, TreeNode]] = []
         self._host_heap_limit = 1024
+        # NOTE: one entry per node at most (`in_copy_heap`); an entry whose node was used since
+        # is pushed again with its new stamp when it reaches the top (exact LRU, lazily)
+        self._copy_heap: list[tuple[int, int, TreeNode]] = []
+        self._copy_heap_limit = 1024
         self._host_cached = 0  # host pages held by nodes
         self._host_evictable = 0  # host pages of unlocked host-only nodes
 
@@ -319,8 +329,8 @@ class RadixCache:
             self._num_nodes += 1
             self._evictable += len(new_pages)
             node = leaf
-            if self.write_through:
-                self._write_to_host(leaf)
+            if self.write_through and self._write_to_host(leaf):
+                self._push_copy(leaf)
         self._push_if_evictable_leaf(node)
         return InsertResult(prefix_len, node)
 
@@ -372,6 +382,10 @@ class RadixCache:
                 self._host_evictable -= k
             if copy:
                 self._loads.append(Copy(n.host_pages, dev))
+                n.load_pending = True  # its host copy stays until the load is taken
+                self._loading.append(n)
+            else:
+                self._push_copy(n)
             if self.on_tier is not None:
                 self.on_tier("loaded", n.host_pages, dev)
         for n in path:
@@ -399,7 +413,31 @@ class RadixCache:
     def take_copies(self) -> PendingCopies:
         out = PendingCopies(self._writes, self._loads, self._writes_block and bool(self._writes))
         self._writes, self._loads, self._writes_block = [], [], False
+        loading, self._loading = self._loading, []
+        for n in loading:
+            n.load_pending = False
+            self._push_copy(n)
         return out
+
+    def _push_copy(self, node: TreeNode) -> None:
+        """File a node that is on both tiers in the heap of droppable host copies (once)."""
+        if node.in_copy_heap or node.host_pages is None or not len(node.pages):
+            return
+        if node.parent is None:
+            return
+        node.in_copy_heap = True
+        heapq.heappush(self._copy_heap, (node.last_access, node.id, node))
+        if len(self._copy_heap) > self._copy_heap_limit:
+            live = []
+            for entry in self._copy_heap:
+                n = entry[2]
+                if n.parent is not None and n.host_pages is not None and len(n.pages):
+                    live.append(entry)
+                else:
+                    n.in_copy_heap = False
+            heapq.heapify(live)
+            self._copy_heap = live
+            self._copy_heap_limit = max(1024, 2 * len(live))
 
     def _push_host_leaf(self, node: TreeNode) -> None:
         if node.children or node.lock_ref or node.on_device or node.parent is None:
@@ -425,10 +463,32 @@ class RadixCache:
         )
 
     def evict_host(self, num_pages: int) -> int:
-        """Free at least `num_pages` host pages (or as many as possible): LRU unlocked host-only
-        leaves leave the tree, cascading upwards. Returns how many were freed."""
-        heap = self._host_heap
+        """Free at least `num_pages` host pages (or as many as possible): first the LRU host
+        copies of unlocked nodes that are also on the device (without a queued load from them;
+        the nodes stay, on the device), then LRU unlocked host-only leaves, which leave the tree,
+        cascading upwards. Returns how many were freed."""
         freed = 0
+        copies: list[np.ndarray] = []
+        heap = self._copy_heap
+        while freed < num_pages and heap:
+            t, _, node = heapq.heappop(heap)
+            node.in_copy_heap = False
+            if node.parent is None or node.host_pages is None or not len(node.pages):
+                continue  # left the tree or a tier; filed again when on both again
+            if node.lock_ref or node.load_pending:
+                continue  # filed again by unlock / take_copies
+            if t != node.last_access:  # used since: its place is further down
+                node.in_copy_heap = True
+                heapq.heappush(heap, (node.last_access, node.id, node))
+                continue
+            k = len(node.host_pages)
+            self._host_cached -= k
+            freed += k
+            copies.append(node.host_pages)
+            node.host_pages = None
+        if copies:
+            self.host_allocator.free(_join(copies))
+        heap = self._host_heap
         released: list[np.ndarray] = []
         while freed < num_pages and heap:
             t, _, node = heapq.heappop(heap)
@@ -508,6 +568,9 @@ class RadixCache:
         if child.host_pages is not None:
             upper.host_pages = child.host_pages[: at // ps]
             child.host_pages = child.host_pages[at // ps :]
+            upper.load_pending = child.load_pending
+            if upper.load_pending:
+                self._loading.append(upper)
         child.key_bytes = child.key_bytes[cut:]
         child.key = np.frombuffer(child.key_bytes, dtype=np.int32)
         child.pages = child.pages[at // ps :]
@@ -515,6 +578,8 @@ class RadixCache:
         upper.children[self._child_key(child.key_bytes)] = child
         child.parent = upper
         self._num_nodes += 1
+        if upper.host_pages is not None:
+            self._push_copy(upper)
         return upper
 
     # ---- locks ----
@@ -548,8 +613,11 @@ class RadixCache:
                 size = len(node.pages)
                 self._protected -= size
                 self._evictable += size
-                if not size and node.host_pages is not None:
-                    self._host_evictable += len(node.host_pages)
+                if node.host_pages is not None:
+                    if size:
+                        self._push_copy(node)  # its host copy may be dropped again
+                    else:
+                        self._host_evictable += len(node.host_pages)
             node = node.parent
         self._push_if_evictable_leaf(start)  # only the start can be a leaf
         if start.host_pages is not None:
@@ -796,6 +864,24 @@ class RadixCache:
                 f"host evictable {self._host_evictable} != recount {host_evictable}"
             )
             check_page_ownership(self.host_allocator, cached, 0, host_pages, None)
+            self._check_copy_heap(nodes)
+
+    def _check_copy_heap(self, nodes: list[TreeNode]) -> None:
+        """Every unlocked node on both tiers without a queued load is in the heap of droppable
+        host copies, with exactly one entry (and every entry's node says it has one)."""
+        entries: dict[int, int] = {}
+        for _, _, n in self._copy_heap:
+            assert n.in_copy_heap, f"{n!r} in the host-copy heap without its flag"
+            entries[id(n)] = entries.get(id(n), 0) + 1
+        assert all(c == 1 for c in entries.values()), "a node has two host-copy heap entries"
+        loading = {id(n) for n in self._loading}
+        for n in nodes:
+            if n.load_pending:
+                assert id(n) in loading, f"{n!r} waits for a load that is not queued"
+            if n.in_copy_heap:
+                assert id(n) in entries, f"{n!r} flagged but not in the host-copy heap"
+            elif n.host_pages is not None and len(n.pages) and not n.lock_ref:
+                assert n.load_pending, f"{n!r} is on both tiers, not in the host-copy heap"
 
     def dump(self) -> list[tuple]:
         """The state as plain data: (id, parent id, tokens, pages, lock_ref, last_access, namespace)

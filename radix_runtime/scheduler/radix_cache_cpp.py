@@ -39,10 +39,10 @@ from radix_runtime.scheduler.radix_cache import (
     check_page_ownership,
 )
 
-if not hasattr(_radix_tree.TreeNode, "host_pages"):
-    # NOTE: a copy built from older sources has no host tier (or no namespaces); refusing it here
-    # makes `--radix-tree-impl auto` fall back to the Python tree (with a warning) instead of
-    # failing
+if not hasattr(_radix_tree.TreeNode, "load_pending"):
+    # NOTE: a copy built from older sources lacks the host tier as the Python tree has it (or
+    # namespaces); refusing it here makes `--radix-tree-impl auto` fall back to the Python tree
+    # (with a warning) instead of running a tree that behaves differently
     raise ImportError(
         "the C++ radix tree extension predates the host tier: rebuild it "
         "(`python setup.py build_ext --inplace`)"

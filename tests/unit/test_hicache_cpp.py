@@ -37,14 +37,17 @@ CppPageAllocator = cpp.CppPageAllocator
 
 
 def host_dump(cache) -> list[tuple]:
-    """Per node: (id, host pages or None, on the device, device children)."""
+    """Per node: (id, host pages or None, on the device, device children, a load queued, filed
+    as a droppable host copy)."""
     out = []
     stack = list(cache.root.children.values())
     while stack:
         node = stack.pop()
         hp = node.host_pages
         host = None if hp is None else tuple(hp.tolist())
-        out.append((node.id, host, node.on_device, node.dev_children))
+        out.append(
+            (node.id, host, node.on_device, node.dev_children, node.load_pending, node.in_copy_heap)
+        )
         stack.extend(node.children.values())
     return sorted(out)
 
@@ -60,6 +63,7 @@ def assert_same_tiers(py, cc, allocs, hosts) -> None:
         cc.host_evictable_pages,
     )
     assert len(py._host_heap) == cc._tree.host_heap_size
+    assert len(py._copy_heap) == cc._tree.copy_heap_size
     assert np.array_equal(hosts[0].free_page_ids(), hosts[1].free_page_ids())
 
 
@@ -381,6 +385,8 @@ NAMED = [
     ht.test_write_back_of_a_node_still_in_use_never_happens,
     ht.test_write_through_copies_on_insert_so_eviction_is_free,
     ht.test_insert_over_host_nodes_adopts_the_callers_pages,
+    ht.test_host_pressure_drops_the_lru_host_copy_of_a_device_node_first,
+    ht.test_a_queued_load_keeps_its_host_copy_until_taken,
 ]
 
 

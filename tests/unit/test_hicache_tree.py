@@ -380,6 +380,51 @@ def test_write_through_copies_on_insert_so_eviction_is_free():
     assert cache.match_prefix(np.array([1, 2, 3], np.int32)).host_length == 3
 
 
+def test_host_pressure_drops_the_lru_host_copy_of_a_device_node_first():
+    """write_through with a full host pool: a new node gets its host copy by dropping the least
+    recently used host copy of an unlocked node that is also on the device (which stays there),
+    not by going without one."""
+    cache, alloc, host = tiered(dev_pages=17, host_pages=7, write_through=True)  # 6 host pages
+    _cache_one(cache, [1, 2, 3], alloc)
+    _cache_one(cache, [4, 5, 6], alloc)  # the host pool is full
+    locked = cache.match_prefix(np.array([1, 2, 3], np.int32)).node  # used last
+    _cache_one(cache, [7, 8, 9], alloc)
+    nodes = [cache.match_prefix(np.array(k, np.int32)) for k in ([1, 2, 3], [4, 5, 6], [7, 8, 9])]
+    assert [m.length for m in nodes] == [3, 3, 3]  # all still on the device
+    assert [m.node.host_pages is not None for m in nodes] == [True, False, True]
+    cache.lock(locked)  # a locked node's copy is never dropped: the next one goes without
+    cache.lock(nodes[2].node)
+    _cache_one(cache, [10, 11, 12], alloc)
+    assert cache.match_prefix(np.array([10, 11, 12], np.int32)).node.host_pages is None
+    assert locked.host_pages is not None and nodes[2].node.host_pages is not None
+    cache.unlock(locked)
+    cache.unlock(nodes[2].node)
+    cache.check_integrity(expect_unlocked=True)
+    assert host.free_pages == 0 and cache.host_cached_pages == 6
+
+
+def test_a_queued_load_keeps_its_host_copy_until_taken():
+    """A node loaded back keeps its host pages for the queued load, even unlocked, until the
+    batch's copies are taken: only then may host pressure drop them."""
+    cache, alloc, host = tiered(dev_pages=17, host_pages=4, write_through=False)  # 3 host pages
+    _cache_one(cache, [1, 2, 3], alloc)
+    cache.evict(3)  # -> the host (full)
+    cache.take_copies()
+    m = cache.match_prefix(np.array([1, 2, 3], np.int32))
+    cache.lock(m.host_node)
+    cache.load_back(m.host_node, alloc.alloc(3))
+    cache.unlock(m.host_node)  # an abort right after the load
+    assert m.host_node.load_pending
+    _cache_one(cache, [4, 5, 6], alloc)
+    assert cache.evict_host(3) == 0  # the loaded node's copy is still read by its load
+    cache.check_integrity()
+    loads = cache.take_copies().loads
+    assert [c.src.tolist() for c in loads] == [m.host_node.host_pages.tolist()]
+    assert cache.evict_host(3) == 3 and m.host_node.host_pages is None
+    assert cache.match_prefix(np.array([1, 2, 3], np.int32)).length == 3  # still on the device
+    cache.check_integrity()
+
+
 def test_insert_over_host_nodes_adopts_the_callers_pages():
     """A request that recomputed tokens cached on the host only: its pages become the nodes'
     device pages (not duplicates to free)."""
