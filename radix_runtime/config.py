@@ -69,6 +69,7 @@ class ServerArgs:
     dp_rank: int = 0  # this replica's index (set by the supervisor; tags its KV events)
     router_policy: str = "cache_aware"  # cache_aware | round_robin | power_of_two | random
     router_args: str = ""  # more sglang-router flags, in its own syntax
+    dp_health_port: int = 0  # the supervisor's GET /health with --dp > 1 (0: --port + 1)
     # tensor parallelism: N worker ranks each holding 1/N of every layer (docs/tensor_parallel.md)
     tp: int = 1
     nnodes: int = 1  # hosts the tp ranks span (each runs tp / nnodes of them)
@@ -256,6 +257,9 @@ _HELP = {
     "default: a private file rendezvous, no port)",
     "router_policy": "the router's policy with --dp > 1 (cache_aware: a conversation goes to the "
     "replica that served its prefix)",
+    "dp_health_port": "with --dp > 1: the port of the supervisor's GET /health, which reports "
+    "every replica (503 once one has died; the router's /health on --port is only its own "
+    "liveness); 0: --port + 1",
     "router_args": "more flags for the router with --dp > 1, in sglang-router's syntax, e.g. "
     "'--balance-abs-threshold 4' (python -m sglang_router.launch_router --help)",
     "kv_events_endpoint": "publish KV-cache events (blocks stored / removed / all cleared, "

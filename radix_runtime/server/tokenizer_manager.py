@@ -97,8 +97,8 @@ class TokenizerManager:
     async def close(self) -> None:
         if self._recv_task is not None:
             self._recv_task.cancel()
-        try:
-            await self.to_sched.send(m.encode(m.ShutdownReq()))
+        try:  # NOTE: never waits: after a death there may be nobody to take it
+            await self.to_sched.send(m.encode(m.ShutdownReq()), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         self.from_sched.close(0)
