@@ -443,6 +443,7 @@ class ModelRunner:
         if pending.sample is not None:
             used = len(pending.sample.tensors())
             out = pending.sample.to_host(host[:used])
+            self.sampler.resolve_step([pending.reqs[i].slot for i in pending.sampled], pending.step)
             for j, i in enumerate(pending.sampled):
                 res = results[i]
                 res.next_id = out.next_ids[j]
