@@ -343,8 +343,8 @@ def run(opts: argparse.Namespace) -> dict:
                 row = {"request_rate": "inf" if math.isinf(rate) else rate}
                 row.update(rate_summary(pairs, duration, page_size))
                 row["itl_p99_over_p50"] = common.ratio(row["itl_p99_s"], row["itl_p50_s"])
-                if probe is not None:
-                    after = common.get_server_info(url, opts.api_key)
+                after = common.get_server_info(url, opts.api_key) if probe is not None else {}
+                if "max_total_tokens" in after:  # not behind a router (--dp): its own numbers
                     row.update(roofline_summary(pairs, probe, before, after, row["output_tok_s"]))
                 sweep.append(row)
             sweeps[target.label] = sweep
