@@ -333,14 +333,21 @@ class Supervisor:
         try:
             self.health = HealthServer(self, args.host, health_port)
         except OSError as exc:
-            logger.error("cannot serve /health on port %d: %s", health_port, exc)
-            return False
+            if args.dp_health_port:  # asked for by name: refuse to run without it
+                logger.error("cannot serve /health on --dp-health-port %d: %s", health_port, exc)
+                return False
+            # NOTE: the default port (--port + 1) being taken must not stop the service
+            logger.warning(
+                "cannot serve the replicas' /health on port %d (%s); pass --dp-health-port",
+                health_port,
+                exc,
+            )
         logger.info(
-            "serving %d replicas behind the router (%s) on %s; their health on port %d",
+            "serving %d replicas behind the router (%s) on %s; their /health on port %s",
             len(self.plans),
             args.router_policy,
             self._router_url(),
-            health_port,
+            health_port if self.health is not None else "(none)",
         )
         return True
 
