@@ -38,15 +38,19 @@ def test_the_scheduler_sizes_its_slots_from_the_pool(pool):
     assert Scheduler(ServerArgs(max_running_requests=5), worker.ready()).max_running == 5
 
 
-def test_the_cpu_worker_sizes_and_reports_its_slots():
+def test_the_cpu_worker_sizes_and_reports_its_slots(monkeypatch):
+    from radix_runtime import config
     from radix_runtime.worker.model_runner import ModelRunner
 
+    # a slot per 8 pool tokens: the rule's effect on a pool small enough to build quickly
+    monkeypatch.setattr(config, "AUTO_TOKENS_PER_REQUEST", 8)
+    monkeypatch.setattr(config, "AUTO_MIN_RUNNING", 1)
     runner = ModelRunner(
-        ServerArgs(model="tiny-llama", load_format="dummy", device="cpu", max_total_tokens=300_000)
+        ServerArgs(model="tiny-llama", load_format="dummy", device="cpu", max_total_tokens=4096)
     )
-    assert runner.max_running == auto_max_running_requests(300_000) == 585
-    assert runner.req_to_page.shape[0] == 585
-    assert runner.ready_info().max_running_requests == 585
+    assert runner.max_running == auto_max_running_requests(4096) == 512
+    assert runner.req_to_page.shape[0] == 512
+    assert runner.ready_info().max_running_requests == 512
 
 
 @OVERLAP

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from model_support import assert_logits_close, hf_logits, tiny_hf_model
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
@@ -132,22 +133,9 @@ END_OF_TURN = 5
 
 
 def _tiny_hf_llama() -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config).float().eval()
+    model = tiny_hf_model(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=128,
+                          tie_word_embeddings=True)  # fmt: skip
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.08)
         # the GGUF stores the embedding as Q8_0: give HF the same dequantized values
         emb = model.model.embed_tokens.weight
         q8 = gguf.quants.quantize(emb.numpy(), gguf.GGMLQuantizationType.Q8_0)
@@ -253,9 +241,7 @@ def test_gguf_conversion_cache_hit_and_logits_match_hf(synthetic_gguf):
         prompt_logprobs=True,
     )
     _, (logits,) = runner.forward_with_logits(m.ForwardBatch(step=1, reqs=[req]))
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (logits - ref).abs().max().item() < 1e-4
+    assert_logits_close(logits, hf_logits(hf, prompt))
 
 
 def test_unreadable_cache_is_rebuilt(synthetic_gguf):
