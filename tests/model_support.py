@@ -92,6 +92,34 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
 
 
+def gguf_writer(model, path: str, arch: str, tokens: list[str]):
+    """A gguf.GGUFWriter for `model` (a transformers model) with the header fields llama.cpp's
+    converter writes for every architecture; the caller adds the rest and its tensors, then
+    calls `finish_gguf`."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(len(tokens))
+    w.add_token_list(tokens)
+    w.add_eos_token_id(c.eos_token_id)
+    return w
+
+
+def finish_gguf(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def float32_runner(folder: str, page_size: int, device: str = DEVICE):
     from radix_runtime.worker.model_runner import ModelRunner
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from model_support import assert_logits_close, hf_logits, tiny_hf_model
+from model_support import assert_logits_close, finish_gguf, gguf_writer, hf_logits, tiny_hf_model
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
@@ -157,18 +157,9 @@ def _gguf_name(hf_name: str) -> str:
 
 def write_gguf(model: transformers.LlamaForCausalLM, path: str) -> None:
     c = model.config
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    tokens = [f"<t{i}>" if i != END_OF_TURN else "<|im_end|>" for i in range(VOCAB)]
+    w = gguf_writer(model, path, "llama", tokens)
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(VOCAB)
-    w.add_token_list([f"<t{i}>" if i != END_OF_TURN else "<|im_end|>" for i in range(VOCAB)])
-    w.add_eos_token_id(2)
     w.add_chat_template("{{ message['content'] }}<|im_end|>")
     for name, p in model.state_dict().items():
         if name == "lm_head.weight":
@@ -183,10 +174,7 @@ def write_gguf(model: transformers.LlamaForCausalLM, path: str) -> None:
             w.add_tensor(_gguf_name(name), q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(_gguf_name(name), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.fixture()

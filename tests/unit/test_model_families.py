@@ -27,7 +27,9 @@ from model_support import (
     Driver,
     Seq,
     assert_logits_close,
+    finish_gguf,
     float32_runner,
+    gguf_writer,
     hf_logits,
     save_hf,
     tiny_hf_model,
@@ -236,19 +238,9 @@ def _gguf_name(hf_name: str, arch: str) -> str:
 
 def write_gguf(model: transformers.PreTrainedModel, path: str, arch: str) -> None:
     c = model.config
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = gguf_writer(model, path, arch, [f"<t{i}>" for i in range(VOCAB)])
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(VOCAB)
-    w.add_token_list([f"<t{i}>" for i in range(VOCAB)])
-    w.add_eos_token_id(2)
     if arch == "qwen3":
         w.add_rope_freq_base(c.rope_parameters["rope_theta"])
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -266,10 +258,7 @@ def write_gguf(model: transformers.PreTrainedModel, path: str, arch: str) -> Non
         if arch == "gemma3" and name.endswith("norm.weight"):
             arr = arr + 1.0  # llama.cpp stores Gemma's norms as (1 + w)
         w.add_tensor(_gguf_name(name, arch), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def _gemma3_like_llama_cpp() -> transformers.PreTrainedModel:
