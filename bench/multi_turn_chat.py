@@ -657,11 +657,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    common.add_server_options(p)
+    p = common.server_bench_parser(__doc__)
     w = p.add_argument_group("workload")
     w.add_argument("--clients", type=int, default=8)
     w.add_argument("--rounds", type=int, default=4)
@@ -721,13 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         print_policy_table(result)
         if opts.out:
             common.write_json(opts.out, result)
-        failed = sum(s["errors"] for s in result["policies"].values())
-        if failed:
-            print(
-                f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr
-            )
-            return 1
-        return 0
+        return common.exit_code(list(result["policies"].values()))
     result = run(opts)
     print_table(result)
     print_tiers(result)
@@ -737,11 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, opts.plot)
     sections = [s for s in (result["cache_on"], result["cache_off"]) if s]
     sections += [result[k] for k in result.get("tiers", {}) if k in result and k != "cache_on"]
-    failed = sum(s["errors"] for s in sections)
-    if failed:
-        print(f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_code(sections)
 
 
 if __name__ == "__main__":

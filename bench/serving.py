@@ -474,11 +474,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    common.add_server_options(p)
+    p = common.server_bench_parser(__doc__)
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=["random", "generated-shared-prefix"], default="random")
     w.add_argument("--rates", type=parse_rates, default=parse_rates("1,2,4"), help="req/s; inf ok")
@@ -522,12 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         common.write_json(opts.out, result)
     if opts.plot:
         plot(result, opts.plot)
-    sections = [*result["cache_on"], *(result["cache_off"] or [])]
-    failed = sum(s["errors"] for s in sections)
-    if failed:
-        print(f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_code([*result["cache_on"], *(result["cache_off"] or [])])
 
 
 if __name__ == "__main__":
