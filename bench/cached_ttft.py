@@ -78,11 +78,7 @@ def run(opts: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    common.add_server_options(p)
+    p = common.server_bench_parser(__doc__)
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument(
         "--new-tokens", type=int, default=256, help="uncached tokens of a cached request"

@@ -521,6 +521,25 @@ class Target:
     flags: tuple[str, ...]  # server flags when launched
 
 
+def server_bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark against a server: `doc`'s first paragraph as its description,
+    defaults in --help, the server options (add_server_options)."""
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_server_options(parser)
+    return parser
+
+
+def exit_code(sections: Sequence[dict]) -> int:
+    """1 (with a line on stderr) when a request of any of `sections` failed, else 0."""
+    failed = sum(s["errors"] for s in sections)
+    if failed:
+        print(f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_server_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server (give --url, or let the benchmark launch one)")
     g.add_argument("--url", help="a running server, e.g. http://127.0.0.1:30000")

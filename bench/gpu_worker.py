@@ -45,6 +45,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.ceilings import cuda_time_ms, wall_time_ms
 from bench.common import provenance, safe_token_range
 from bench.kernel_phases import phase_breakdown
 from radix_runtime import messages as m
@@ -57,32 +58,6 @@ GREEDY = m.SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
 
 # device name -> (HBM bandwidth TB/s, dense bf16 TFLOP/s) from the vendor's data sheet
 SPECS = {"NVIDIA H200": (4.8, 989.0)}
-
-
-def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
-    """Median over `iters` of one call timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def wall_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def ceilings() -> dict:
@@ -210,7 +185,7 @@ class Bench:
         req = m.ForwardReq(
             slot=0, input_ids=prompt, start_pos=0, new_pages=pages, new_slot=True, sampling=GREEDY
         )
-        return wall_ms(lambda: self.forward([req]), warmup, iters)
+        return wall_time_ms(lambda: self.forward([req]), warmup, iters)
 
     def cached_prefill(
         self, n: int, cached: int, warmup: int = 2, iters: int = 10
@@ -252,14 +227,14 @@ class Bench:
         )
         self.last_hit = lambda: self.forward([hit])
         return (
-            wall_ms(lambda: self.forward([cold]), 1, 5),
-            wall_ms(lambda: self.forward([hit]), warmup, iters),
+            wall_time_ms(lambda: self.forward([cold]), 1, 5),
+            wall_time_ms(lambda: self.forward([hit]), warmup, iters),
         )
 
     def prepare_ms(self, iters: int = 50) -> float:
         """Host time of the runner's batch preparation for the last decode batch (slot 0)."""
         req = m.ForwardReq(slot=0, input_ids=m.pack_ids([5]), start_pos=self.last_decode_pos)
-        return wall_ms(lambda: self.runner._prepare([req]), 5, iters)
+        return wall_time_ms(lambda: self.runner._prepare([req]), 5, iters)
 
 
 def kernel_profile(fn, steps: int, top: int = 14, trace: str | None = None) -> dict:
@@ -384,7 +359,7 @@ def large_decode(
     def step() -> None:
         bench.forward(reqs)
 
-    out[f"{key}_host_prepare_ms"] = wall_ms(lambda: runner._prepare(reqs), 3, 20)
+    out[f"{key}_host_prepare_ms"] = wall_time_ms(lambda: runner._prepare(reqs), 3, 20)
     meta = runner._prepare(reqs).meta
     graphs = runner.cuda_graphs
     if graphs is not None and graphs.can_run(meta):
@@ -401,8 +376,8 @@ def large_decode(
     runner.cuda_graphs = None
     try:
         runner.attn.plan(meta)
-        out[f"{key}_host_plan_ms"] = wall_ms(lambda: runner.attn.plan(meta), 3, 20)
-        out[f"{key}_eager_ms"] = wall_ms(step, 2, 8)
+        out[f"{key}_host_plan_ms"] = wall_time_ms(lambda: runner.attn.plan(meta), 3, 20)
+        out[f"{key}_eager_ms"] = wall_time_ms(step, 2, 8)
         out[f"{key}_eager_roofline_ratio"] = out[f"{key}_eager_ms"] / roof_ms
         trace = f"{trace_dir}/{key}_eager.json" if trace_dir else None
         out[f"{key}_profile_eager"] = kernel_profile(step, 3, trace=trace)
@@ -490,7 +465,7 @@ def prefill(runner: ModelRunner, bench: Bench, results: dict, args: argparse.Nam
         results["cached_ttft_graphed"] = ext.replays > replays
         results["extend_graph_capture_s"] = ext.capture_s
         runner.extend_graphs = None
-        results["cached_ttft_eager_ms"] = wall_ms(bench.last_hit, 2, 10)
+        results["cached_ttft_eager_ms"] = wall_time_ms(bench.last_hit, 2, 10)
         results["cached_ttft_eager_speedup"] = cold_ms / results["cached_ttft_eager_ms"]
         runner.extend_graphs = ext
     results["cached_prefill_mfu"] = (

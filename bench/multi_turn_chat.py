@@ -403,22 +403,44 @@ def run_router_policies(opts: argparse.Namespace) -> dict:
     }
 
 
+# the metric tables' rows: section key -> (row name, scale, digits)
+METRICS = {
+    "ttft_p50_s": ("TTFT p50 (s)", 1, 3),
+    "ttft_p90_s": ("TTFT p90 (s)", 1, 3),
+    "ttft_p99_s": ("TTFT p99 (s)", 1, 3),
+    "itl_p50_s": ("ITL p50 (ms)", 1e3, 1),
+    "itl_p99_s": ("ITL p99 (ms)", 1e3, 1),
+    "output_tok_s": ("output tok/s", 1, 1),
+    "req_s": ("requests/s", 1, 3),
+    "hit_rate": ("hit rate", 1, 3),
+    "optimal_hit_rate": ("optimal hit rate", 1, 3),
+    "errors": ("errors", 1, 0),
+    "client_loop_lag_p99_ms": ("client lag p99 ms", 1, 1),
+}
+POLICY_METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "output_tok_s", "hit_rate",
+                  "optimal_hit_rate", "errors")  # fmt: skip
+
+
+def print_metrics(
+    sections: dict[str, dict], keys, width: int, ratio_head: str | None = None
+) -> None:
+    """A row per metric in `keys`, a column per section; `ratio_head`: one more column, the
+    second section over the first."""
+    heads = list(sections) + ([ratio_head] if ratio_head else [])
+    print()
+    print(f"{'':<18}" + "".join(f"{h:>{width}}" for h in heads))
+    for key in keys:
+        name, scale, digits = METRICS[key]
+        cells = [common.fmt(sec[key], scale, digits) for sec in sections.values()]
+        if ratio_head:
+            first, second = sections.values()
+            cells.append(common.fmt(common.ratio(second[key], first[key]), 1, 2))
+        print(f"{name:<18}" + "".join(f"{c:>{width}}" for c in cells))
+
+
 def print_policy_table(result: dict) -> None:
     sections = result["policies"]
-    rows = [
-        ("TTFT p50 (s)", "ttft_p50_s", 1, 3),
-        ("TTFT p99 (s)", "ttft_p99_s", 1, 3),
-        ("ITL p50 (ms)", "itl_p50_s", 1e3, 1),
-        ("output tok/s", "output_tok_s", 1, 1),
-        ("hit rate", "hit_rate", 1, 3),
-        ("optimal hit rate", "optimal_hit_rate", 1, 3),
-        ("errors", "errors", 1, 0),
-    ]
-    print()
-    print(f"{'':<18}" + "".join(f"{p:>14}" for p in sections))
-    for name, key, scale, digits in rows:
-        cells = "".join(f"{common.fmt(s[key], scale, digits):>14}" for s in sections.values())
-        print(f"{name:<18}{cells}")
+    print_metrics(sections, POLICY_METRICS, width=14)
     print()
     for key, value in result["ratios"].items():
         print(f"{key + ':':<44}{common.fmt(value, 1, 3)}")
@@ -524,28 +546,8 @@ def check_fits(longest: int, info: dict) -> None:
 
 def print_table(result: dict) -> None:
     on, off = result["cache_on"], result["cache_off"]
-    rows = [
-        ("TTFT p50 (s)", "ttft_p50_s", 1, 3),
-        ("TTFT p90 (s)", "ttft_p90_s", 1, 3),
-        ("TTFT p99 (s)", "ttft_p99_s", 1, 3),
-        ("ITL p50 (ms)", "itl_p50_s", 1e3, 1),
-        ("ITL p99 (ms)", "itl_p99_s", 1e3, 1),
-        ("output tok/s", "output_tok_s", 1, 1),
-        ("requests/s", "req_s", 1, 3),
-        ("hit rate", "hit_rate", 1, 3),
-        ("optimal hit rate", "optimal_hit_rate", 1, 3),
-        ("errors", "errors", 1, 0),
-        ("client lag p99 ms", "client_loop_lag_p99_ms", 1, 1),
-    ]
-    cols = ["cache on"] + (["cache off", "off / on"] if off else [])
-    print()
-    print(f"{'':<18}" + "".join(f"{c:>12}" for c in cols))
-    for name, key, scale, digits in rows:
-        line = f"{name:<18}{common.fmt(on[key], scale, digits):>12}"
-        if off:
-            line += f"{common.fmt(off[key], scale, digits):>12}"
-            line += f"{common.fmt(common.ratio(off[key], on[key]), 1, 2):>12}"
-        print(line)
+    sections = {"cache on": on} | ({"cache off": off} if off else {})
+    print_metrics(sections, METRICS, width=12, ratio_head="off / on" if off else None)
     ratios = result["ratios"]
     print()
     print(f"TTFT p50 off/on:          {common.fmt(ratios['ttft_p50_off_over_on'], 1, 2)}")
@@ -655,11 +657,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    common.add_server_options(p)
+    p = common.server_bench_parser(__doc__)
     w = p.add_argument_group("workload")
     w.add_argument("--clients", type=int, default=8)
     w.add_argument("--rounds", type=int, default=4)
@@ -719,13 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         print_policy_table(result)
         if opts.out:
             common.write_json(opts.out, result)
-        failed = sum(s["errors"] for s in result["policies"].values())
-        if failed:
-            print(
-                f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr
-            )
-            return 1
-        return 0
+        return common.exit_code(list(result["policies"].values()))
     result = run(opts)
     print_table(result)
     print_tiers(result)
@@ -735,11 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, opts.plot)
     sections = [s for s in (result["cache_on"], result["cache_off"]) if s]
     sections += [result[k] for k in result.get("tiers", {}) if k in result and k != "cache_on"]
-    failed = sum(s["errors"] for s in sections)
-    if failed:
-        print(f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_code(sections)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@
 #   tp         (2+ GPUs: the nvidia-h200-x2 kind) tests/gpu/test_tensor_parallel_gpu.py, then
 #              bench/tensor_parallel.py: Llama-3.1-8B shape, --tp 2 vs --tp 1 decode tok/s at
 #              batch 1 and 64 -> $OUT/gpu_tests_tp.txt, $OUT/h200x2_tensor_parallel.json
-#   serving_roofline  issue 21's measurements, about 5 minutes: roofline_worker, then
-#                    roofline_serve:default and roofline_serve:page16:--page-size,16
+#   serving_roofline  issue 21's measurements, about 6 minutes: roofline_worker, then
+#                    roofline_serve:default, roofline_serve:interleave:--max-consecutive-prefill-steps,1
+#                    and roofline_serve:page16:--page-size,16
 #   roofline_worker  bench/gpu_worker.py: decode steps of 256 and 512 requests at 1,536 tokens of
 #                    context against their bandwidth roofline, graph vs eager, host and GPU time by
 #                    phase, at page size 1 and (512 only) 16
@@ -72,7 +73,9 @@ status=0
 stages=()
 for stage in "$@"; do
     if [ "$stage" = serving_roofline ]; then
-        stages+=(roofline_worker roofline_serve:default roofline_serve:page16:--page-size,16)
+        stages+=(roofline_worker roofline_serve:default
+                 roofline_serve:interleave:--max-consecutive-prefill-steps,1
+                 roofline_serve:page16:--page-size,16)
     else
         stages+=("$stage")
     fi

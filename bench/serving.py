@@ -343,8 +343,8 @@ def run(opts: argparse.Namespace) -> dict:
                 row = {"request_rate": "inf" if math.isinf(rate) else rate}
                 row.update(rate_summary(pairs, duration, page_size))
                 row["itl_p99_over_p50"] = common.ratio(row["itl_p99_s"], row["itl_p50_s"])
-                if probe is not None:
-                    after = common.get_server_info(url, opts.api_key)
+                after = common.get_server_info(url, opts.api_key) if probe is not None else {}
+                if "max_total_tokens" in after:  # not behind a router (--dp): its own numbers
                     row.update(roofline_summary(pairs, probe, before, after, row["output_tok_s"]))
                 sweep.append(row)
             sweeps[target.label] = sweep
@@ -474,11 +474,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    common.add_server_options(p)
+    p = common.server_bench_parser(__doc__)
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=["random", "generated-shared-prefix"], default="random")
     w.add_argument("--rates", type=parse_rates, default=parse_rates("1,2,4"), help="req/s; inf ok")
@@ -522,12 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         common.write_json(opts.out, result)
     if opts.plot:
         plot(result, opts.plot)
-    sections = [*result["cache_on"], *(result["cache_off"] or [])]
-    failed = sum(s["errors"] for s in sections)
-    if failed:
-        print(f"error: {failed} requests failed; the numbers above are not valid", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_code([*result["cache_on"], *(result["cache_off"] or [])])
 
 
 if __name__ == "__main__":

@@ -42,11 +42,19 @@ class ServerArgs:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (half the bytes of bf16)
     max_total_tokens: int | None = None  # KV pool capacity in tokens; None: sized from memory
     mem_fraction_static: float = 0.85
-    max_running_requests: int = 256
+    # requests running at once (worker slots); None: sized from the KV pool
+    # (auto_max_running_requests), admission then keeps what the pool holds
+    max_running_requests: int | None = None
+    # admission keeps pages free for the running requests' expected output: this many times
+    # the fraction of max_new_tokens that finished requests used (0: only their next token)
+    schedule_conservativeness: float = 1.0
     # token budget of a prefill step: see docs/decisions.md ("The prefill step's size")
     chunked_prefill_size: int = 1024
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs
     enable_mixed_chunk: bool = False  # decodes ride along with prefill chunks in one batch
+    # prefill-first steps: after this many prefill steps in a row while requests are decoding,
+    # the next step is theirs (0: no cap; docs/serving_roofline.md)
+    max_consecutive_prefill_steps: int = 0
     disable_radix_cache: bool = False
     # one step ahead: the next batch is built and sent while the worker computes this one
     disable_overlap_schedule: bool = False
@@ -69,6 +77,7 @@ class ServerArgs:
     dp_rank: int = 0  # this replica's index (set by the supervisor; tags its KV events)
     router_policy: str = "cache_aware"  # cache_aware | round_robin | power_of_two | random
     router_args: str = ""  # more sglang-router flags, in its own syntax
+    dp_health_port: int = 0  # the supervisor's GET /health with --dp > 1 (0: --port + 1)
     # tensor parallelism: N worker ranks each holding 1/N of every layer (docs/tensor_parallel.md)
     tp: int = 1
     nnodes: int = 1  # hosts the tp ranks span (each runs tp / nnodes of them)
@@ -126,8 +135,12 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError("--max-total-tokens must hold at least one page")
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.schedule_conservativeness < 0:
+            raise ValueError("--schedule-conservativeness must be >= 0")
+        if self.max_consecutive_prefill_steps < 0:
+            raise ValueError("--max-consecutive-prefill-steps must be >= 0")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be >= --page-size")
         if self.schedule_policy not in ("lpm", "dfs-weight", "fcfs"):
@@ -214,6 +227,18 @@ class ServerArgs:
                 raise ValueError(f"--tp > 1 does not support {what} (docs/tensor_parallel.md)")
 
 
+# --max-running-requests by default: one slot per AUTO_TOKENS_PER_REQUEST tokens of KV pool,
+# within [AUTO_MIN_RUNNING, AUTO_MAX_RUNNING] (docs/serving_roofline.md)
+AUTO_TOKENS_PER_REQUEST = 512
+AUTO_MIN_RUNNING = 256
+AUTO_MAX_RUNNING = 1024
+
+
+def auto_max_running_requests(pool_tokens: int) -> int:
+    """The default of --max-running-requests for a KV pool of `pool_tokens` tokens."""
+    return min(AUTO_MAX_RUNNING, max(AUTO_MIN_RUNNING, pool_tokens // AUTO_TOKENS_PER_REQUEST))
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -229,6 +254,16 @@ _HELP = {
     "docs/decisions.md)",
     "schedule_policy": "lpm (longest prefix match), dfs-weight, or fcfs",
     "disable_radix_cache": "same code path, but nothing is reused across requests",
+    "max_running_requests": "requests running at once (default: sized from the KV pool, one "
+    "per 512 tokens of it, 256 to 1024; how many of them memory holds is admission's call: "
+    "--schedule-conservativeness)",
+    "schedule_conservativeness": "admit a request only when the KV pool keeps room for the "
+    "running requests' expected output: their remaining max_new_tokens (up to 4096) times this "
+    "times the fraction of max_new_tokens finished requests used (1.0 until one finished, and "
+    "after a retraction); 0: room for their next token only (more admitted, more retractions)",
+    "max_consecutive_prefill_steps": "cap on the prefill steps run in a row while requests are "
+    "decoding: after N, a decode step runs, so a burst of prompts stalls every decoder for at "
+    "most N prefill steps (0: no cap, prefill first; ignored with --enable-mixed-chunk)",
     "enable_mixed_chunk": "put decodes and prefill chunks in one batch (default: a step with "
     "prefill work runs only prefills; decode-only steps run as CUDA graphs)",
     "disable_overlap_schedule": "schedule one step at a time (default: the scheduler builds and "
@@ -256,6 +291,9 @@ _HELP = {
     "default: a private file rendezvous, no port)",
     "router_policy": "the router's policy with --dp > 1 (cache_aware: a conversation goes to the "
     "replica that served its prefix)",
+    "dp_health_port": "with --dp > 1: the port of the supervisor's GET /health, which reports "
+    "every replica (503 once one has died; the router's /health on --port is only its own "
+    "liveness); 0: --port + 1",
     "router_args": "more flags for the router with --dp > 1, in sglang-router's syntax, e.g. "
     "'--balance-abs-threshold 4' (python -m sglang_router.launch_router --help)",
     "kv_events_endpoint": "publish KV-cache events (blocks stored / removed / all cleared, "
@@ -329,7 +367,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                 kwargs["type"] = int
             elif isinstance(default, float):
                 kwargs["type"] = float
-            elif f.name in ("max_total_tokens", "context_length"):
+            elif f.name in ("max_total_tokens", "context_length", "max_running_requests"):
                 kwargs["type"] = int
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
     parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp", type=int,
@@ -350,4 +388,10 @@ def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     return args
 
 
-__all__ = ["ServerArgs", "DEFAULT_MODEL", "add_server_args", "args_from_namespace"]
+__all__ = [
+    "ServerArgs",
+    "DEFAULT_MODEL",
+    "add_server_args",
+    "args_from_namespace",
+    "auto_max_running_requests",
+]

@@ -14,12 +14,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
 import msgspec
 
 from radix_runtime.config import ServerArgs
+from radix_runtime.dp.replica_set import ReplicaSet
+from radix_runtime.dp.supervisor import ReplicaPlan, plan_replicas, visible_gpus
 from radix_runtime.frontend.builders import InputBuilder
 from radix_runtime.frontend.errors import ApiError, GenerationError
 from radix_runtime.frontend.generations import Generations
@@ -31,12 +34,17 @@ from radix_runtime.worker.model_config import preflight
 
 
 class Engine:
+    """``Engine(model, dp=N, **server_flags)``: with ``dp`` > 1, N replicas of the scheduler and
+    worker (one GPU each, or an equal share of the CPU cores, as ``serve --dp N`` places them),
+    each generation going to the least busy replica (dp/replica_set.py)."""
+
     def __init__(self, model: str = "default", **server_args: Any):
         self.args = ServerArgs(model=model, **server_args)
         self.args.validate()
         # refuse an unsupported model before any child process starts
         preflight(resolve_model(self.args.model, self.args.load_format, self.args.model_config))
-        self.children = Children(self.args)
+        self.replicas: list[Children] = []
+        self.managers: list[TokenizerManager] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="engine-loop", daemon=True
@@ -44,19 +52,41 @@ class Engine:
         self._thread.start()
         try:
             source, tokenizer = load_frontend(self.args)
-            self.manager = TokenizerManager(
-                self.args, tokenizer, source.name, source.path, self.children.ipc_dir
-            )
-            self.children.watch(
-                lambda role, code: self._loop.call_soon_threadsafe(
-                    self.manager.fail, f"the {role} process exited with code {code}"
+            plans = self._placement()
+            # replicas sharing a GPU size their KV pools from the memory the ones before them
+            # left free: they start one after another (as serve --dp starts them)
+            one_by_one = sum(p.gpu is not None for p in plans) > len({p.gpu for p in plans})
+            for plan in plans:
+                children = Children(plan.args, env=plan.env, cpus=plan.cpus)
+                self.replicas.append(children)
+                manager = TokenizerManager(
+                    plan.args, tokenizer, source.name, source.path, children.ipc_dir
                 )
-            )
-            self._call(self.manager.start())
+                self.managers.append(manager)
+                children.watch(
+                    lambda role, code, manager=manager: self._loop.call_soon_threadsafe(
+                        manager.fail, f"the {role} process exited with code {code}"
+                    )
+                )
+                if one_by_one:
+                    self._call(manager.start())
+            if not one_by_one:
+                self._call(self._start_all())
         except BaseException:
             self.shutdown()
             raise
+        self.manager = self.managers[0] if len(self.managers) == 1 else ReplicaSet(self.managers)
         self.builder = InputBuilder(self.manager, self.args)
+
+    async def _start_all(self) -> None:
+        await asyncio.gather(*(m.start() for m in self.managers))
+
+    def _placement(self) -> list[ReplicaPlan]:
+        if self.args.dp == 1:
+            return [ReplicaPlan(0, self.args)]
+        cpus = sorted(os.sched_getaffinity(0))
+        # ports: none is opened (no HTTP in the Engine)
+        return plan_replicas(self.args, visible_gpus(self.args.device), cpus, [0] * self.args.dp)
 
     @property
     def tokenizer(self):
@@ -101,6 +131,8 @@ class Engine:
         return self._call(self.async_generate(prompt, sampling_params, **kwargs))
 
     def server_info(self) -> dict:
+        """The scheduler's state; with ``dp`` > 1, ``{"dp": N, "replicas": [...]}`` (a dead
+        replica: ``healthy`` false and why)."""
         return self._call(self.manager.server_info())
 
     def flush_cache(self) -> bool:
@@ -108,14 +140,17 @@ class Engine:
         return self._call(self.manager.flush_cache())["success"]
 
     def shutdown(self) -> None:
-        manager = getattr(self, "manager", None)
-        if manager is not None and self._loop.is_running() and manager.healthy:
-            try:
-                self._call(manager.close())
-            except Exception:
-                pass
-        self.children.shutdown()
-        if self._loop.is_running():
+        running = self._loop.is_running()
+        for manager in getattr(self, "managers", []):
+            # (a dead replica's sockets too: an open zmq context blocks the interpreter's exit)
+            if running and getattr(manager, "ctx", None) is not None:
+                try:
+                    self._call(manager.close())
+                except Exception:
+                    pass
+        for children in getattr(self, "replicas", []):
+            children.shutdown()
+        if running:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
 

@@ -12,6 +12,7 @@ children die with the parent (PR_SET_PDEATHSIG plus a polling thread, see utils/
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import threading
@@ -30,16 +31,26 @@ class Children:
     tensor-parallel server: its ranks only), and the watcher that notices deaths: any of them
     dying ends the server (a rank's peers would wait for it forever)."""
 
-    def __init__(self, args: ServerArgs):
+    def __init__(
+        self, args: ServerArgs, env: dict[str, str] | None = None, cpus: list[int] | None = None
+    ):
+        """`env` and `cpus` place the children (an in-process data-parallel replica's share of
+        the host: its GPU, or its CPU cores and threads; see dp/supervisor.py plan_replicas)."""
         self.args = args
         self.ipc_dir = make_ipc_dir()
         payload = {"args": args.to_json(), "ipc_dir": self.ipc_dir}
         self.procs: dict[str, subprocess.Popen] = {
-            rank_role(rank): spawn_child("radix_runtime.worker.main", {**payload, "tp_rank": rank})
+            rank_role(rank): spawn_child(
+                "radix_runtime.worker.main", {**payload, "tp_rank": rank}, env=env
+            )
             for rank in local_ranks(args)
         }
         if args.node_rank == 0:
-            self.procs["scheduler"] = spawn_child("radix_runtime.scheduler.main", payload)
+            self.procs["scheduler"] = spawn_child("radix_runtime.scheduler.main", payload, env=env)
+        if cpus:
+            for proc in self.procs.values():
+                # NOTE: set before the child starts its torch threads, which inherit it
+                os.sched_setaffinity(proc.pid, cpus)
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 

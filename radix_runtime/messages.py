@@ -411,6 +411,7 @@ class WorkerReady(_Msg):
     load_bandwidth: float = 0.0
     kv_cache_dtype: str = ""  # the KV pool's element type: bfloat16, float32, fp8_e4m3...
     quantization: str = "none"  # the weights': none | fp8 | awq | gptq (worker/quant.py)
+    max_running_requests: int = 0  # request slots (0: not reported; the scheduler sizes them)
 
 
 Message = Union[

@@ -4,7 +4,8 @@ The supervisor starts the replicas (each a whole server on a private 127.0.0.1 p
 each via CUDA_VISIBLE_DEVICES, or its share of the CPU cores), waits until every one is healthy,
 then starts the router in front of them, and watches all of them:
 
-- a replica that dies is logged at once; the router's health checks (every 2 s here) take it out
+- a replica that dies is logged at once and reported by the supervisor's own GET /health (on
+  --dp-health-port, default --port + 1: 503 naming it; the router's /health is its liveness); the router's health checks (every 2 s here) take it out
   of rotation and its retries send what was in flight elsewhere; once no replica is left the
   supervisor stops everything and exits 1. A dead router stops everything too.
 - SIGTERM drains: it is forwarded once to the router and every replica, which finish in-flight
@@ -24,8 +25,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import msgspec
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.dp.router import MISSING, build_router_args, router_installed
@@ -152,6 +155,66 @@ def router_settings(args: ServerArgs, plans: list[ReplicaPlan]) -> dict:
     }
 
 
+class HealthServer:
+    """The supervisor's GET /health: 200 while the router and every replica live, else 503 with
+    the OpenAI error body naming what died; both list every replica. (On --port the router
+    answers /health with its own liveness, and /readiness stays 200 while any replica serves.)"""
+
+    def __init__(self, sup: Supervisor, host: str, port: int) -> None:
+        self.sup = sup
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(handler) -> None:  # noqa: N802 (http.server's name)
+                if handler.path.split("?")[0] != "/health":
+                    handler.send_error(404)
+                    return
+                status, body = self.report()
+                payload = msgspec.json.encode(body)
+                handler.send_response(status)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(payload)))
+                handler.end_headers()
+                handler.wfile.write(payload)
+
+            def log_message(handler, *args) -> None:  # probes are not news
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name="dp-health", daemon=True
+        )
+        self.thread.start()
+
+    def report(self) -> tuple[int, dict]:
+        sup = self.sup
+        replicas, dead = [], []
+        for plan in sup.plans:
+            code = sup.replicas[plan.index].poll()
+            replicas.append(
+                {"dp_rank": plan.index, "url": plan.url, "alive": code is None, "exit_code": code}
+            )
+            if code is not None:
+                dead.append(f"replica {plan.index} ({plan.url}) exited with code {code}")
+        router_code = sup.router.poll() if sup.router is not None else None
+        if router_code is not None:
+            dead.append(f"the router exited with code {router_code}")
+        body = {"status": "degraded" if dead else "ok", "replicas": replicas}
+        if not dead:
+            return 200, body
+        body["error"] = {
+            "message": "; ".join(dead),
+            "type": "server_error",
+            "param": None,
+            "code": "replica_dead",
+        }
+        return 503, body
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 class Supervisor:
     def __init__(self, args: ServerArgs):
         self.args = args
@@ -161,6 +224,7 @@ class Supervisor:
         self.stop_signal: int | None = None
         self.stopping = threading.Event()
         self.dead: set[int] = set()
+        self.health: HealthServer | None = None
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -265,11 +329,25 @@ class Supervisor:
         )
         if not self._wait_router():
             return False
+        health_port = args.dp_health_port or args.port + 1
+        try:
+            self.health = HealthServer(self, args.host, health_port)
+        except OSError as exc:
+            if args.dp_health_port:  # asked for by name: refuse to run without it
+                logger.error("cannot serve /health on --dp-health-port %d: %s", health_port, exc)
+                return False
+            # NOTE: the default port (--port + 1) being taken must not stop the service
+            logger.warning(
+                "cannot serve the replicas' /health on port %d (%s); pass --dp-health-port",
+                health_port,
+                exc,
+            )
         logger.info(
-            "serving %d replicas behind the router (%s) on %s",
+            "serving %d replicas behind the router (%s) on %s; their /health on port %s",
             len(self.plans),
             args.router_policy,
             self._router_url(),
+            health_port if self.health is not None else "(none)",
         )
         return True
 
@@ -329,6 +407,8 @@ class Supervisor:
         logger.warning("the router's health checks will take %s out of rotation", url)
 
     def shutdown(self) -> None:
+        if self.health is not None:
+            self.health.close()
         sig = self.stop_signal if self.stop_signal is not None else signal.SIGTERM
         self._forward(sig)
         grace = self.args.drain_timeout + 5 if sig == signal.SIGTERM else 5.0

@@ -129,12 +129,13 @@ class SlotGrammar:
         return accepted
 
 
-def resolve_all(grammars: list[SlotGrammar]) -> None:
-    """Accept every pending token of `grammars`: one event wait and one read per step's ids."""
+def resolve_all(grammars: list[SlotGrammar], step: int | None = None) -> None:
+    """Accept every pending token of `grammars` (only those sampled by `step`, when given): one
+    event wait and one read per step's ids."""
     ids: dict[int, list[int]] = {}
     for g in grammars:
         p = g.pending
-        if p is None:
+        if p is None or (step is not None and p.step != step):
             continue
         key = id(p.host_ids)
         if key not in ids:

@@ -11,6 +11,7 @@ pages for its first chunk, keeping the running decoders' next pages free.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
@@ -42,6 +43,13 @@ logger = logging.getLogger("radix_runtime.scheduler.scheduler")
 # computing them (admitted in this step, still prefilling, or prefilling in the step in flight)
 # waits until they are cached, so the shared prefix is computed once and then matched.
 IN_BATCH_SHARE_THRESHOLD = 32
+
+# Admission expects at most this many more output tokens of a request (as SGLang's
+# CLIP_MAX_NEW_TOKENS): a request asking for the whole context does not hold back every other.
+EXPECTED_OUTPUT_CLIP = 4096
+# ... and at least this fraction of it, however early finished requests stopped (as SGLang's
+# minimum new-token ratio): a workload whose first replies are short still keeps some room
+MIN_EXPECTED_FRACTION = 0.1
 
 
 class Admission:
@@ -235,6 +243,7 @@ class Admission:
         )
         computing: list[Req] | None = None  # built once something can be admitted
         n_running = len(running)
+        expected = None  # pages the running requests are expected to need: built when needed
         for req in ordered:
             if budget <= 0 or n_running >= self.max_running or not kv.free_slots:
                 break
@@ -244,10 +253,20 @@ class Admission:
             host_len = match.host_length  # 0 without a host tier (either tree)
             if self.shares_uncached_prefix(req, match.length + host_len, computing):
                 continue
-            taken = kv.admit(req, match, budget, reserve)
+            if expected is None:
+                expected = sum(self.expected_pages(v.req, v.all_len, v.kv_len) for v in running)
+            # room for its first chunk, the running requests' expected growth and its own (as
+            # if nothing loads from the host tier); NOTE: with nothing running, a request goes
+            # whatever its expected growth: nothing would free memory for it (and it fits the
+            # pool: checked on arrival)
+            first = match.length + min(budget, req.all_len - match.length)
+            own = self.expected_pages(req, req.all_len, first)
+            ahead = expected + own if n_running else 0
+            taken = kv.admit(req, match, budget, reserve + ahead)
             if taken is None:  # the pages do not fit: the ones after it wait too (policy order)
                 break
             n, loaded = taken
+            expected += own
             if req.cached_tokens < 0:
                 self._count_admission(req, match.length, host_len, loaded)
             self.queues.start(req)
@@ -256,6 +275,24 @@ class Admission:
             sample = req.kv_len + n == req.all_len and not req.prefill_only
             plan.append(PlannedReq(req, n, sample, start=req.kv_len))
             budget -= n
+
+    def expected_pages(self, req: Req, all_len: int, kv_len: int) -> int:
+        """Pages `req` is expected to need beyond those that hold `kv_len` tokens (or those it
+        holds, if more): the rest of its prompt and its expected output, i.e. its remaining
+        max_new_tokens (at most EXPECTED_OUTPUT_CLIP) times --schedule-conservativeness times
+        the fraction of max_new_tokens finished requests used (at least MIN_EXPECTED_FRACTION);
+        0 with a conservativeness of 0."""
+        scale = self.args.schedule_conservativeness
+        if scale <= 0:
+            return 0
+        remaining = req.sampling.max_new_tokens - (all_len - len(req.prompt))
+        output = min(max(remaining, 0), EXPECTED_OUTPUT_CLIP)
+        fraction = max(self.queues.output_fraction, MIN_EXPECTED_FRACTION)
+        expect = math.ceil(output * min(scale * fraction, 1.0))
+        final = min(all_len + expect, self.context_length)
+        ps = self.kv.page_size
+        held = max(math.ceil(kv_len / ps), len(req.pages))
+        return max(math.ceil(final / ps) - held, 0)
 
     def _count_admission(self, req: Req, matched: int, host_len: int, loaded: int) -> None:
         """A request's first admission (a retried one is not counted again)."""

@@ -113,7 +113,7 @@ class SchedulerProcess:
                 page_size=ready.page_size,
                 context_length=ready.context_length,
                 vocab_size=ready.vocab_size,
-                max_running_requests=self.args.max_running_requests,
+                max_running_requests=self.scheduler.max_running,
             )
         )
         logger.info(

@@ -3,8 +3,10 @@
 By default a step is prefill-first (as SGLang): when any prefill work can be scheduled, the step
 holds only prefill chunks within the token budget (chunked prefill), continuing requests first,
 then new ones (`Admission.admit`); otherwise it is a decode-only step (every decoding request
-gets one token), which the worker can replay as a CUDA graph. With `--enable-mixed-chunk` every
-step is mixed: decodes first, prefill chunks fill the rest of the budget. Memory pressure is met
+gets one token), which the worker can replay as a CUDA graph. `--max-consecutive-prefill-steps
+N` caps how long the decoders wait under a burst of prompts: after N prefill steps in a row while
+requests are decoding, the next step is a decode step. With `--enable-mixed-chunk` every step is
+mixed: decodes first, prefill chunks fill the rest of the budget. Memory pressure is met
 by evicting cached prefixes first (`KvBook.take_pages`), then by retracting running requests.
 
 Overlap (the default; `--disable-overlap-schedule` turns it off): while the worker computes step
@@ -68,6 +70,9 @@ class Planner:
     ):
         self.args, self.context_length = args, context_length
         self.kv, self.admission, self.queues, self.counters = kv, admission, queues, counters
+        # --max-consecutive-prefill-steps: prefill steps sent in a row while requests decode
+        self.prefill_streak = 0
+        self._decodes_planned = self._decoders_waiting = False  # of the last plan
 
     def schedule(self) -> tuple[ForwardBatch, list[PlannedReq]] | None:
         """The next step, with nothing in flight."""
@@ -88,6 +93,7 @@ class Planner:
         running = self.queues.running
         plan: list[PlannedReq] = []
         budget = self.args.chunked_prefill_size
+        self._decodes_planned = self._decoders_waiting = False
         if self.args.enable_mixed_chunk:
             if not self._schedule_decodes(plan, views, ahead):
                 return None
@@ -97,8 +103,12 @@ class Planner:
             # prefill-first; the decoders' next pages stay free, so a prefill never forces a
             # retraction, and a prefill that cannot go now leaves the step to the decodes
             reserve = _decode_reserve(views)
-            budget = self._schedule_running_prefills(plan, views, budget, reserve)
-            self.admission.admit(plan, budget, reserve, views, shared_with)
+            self._decoders_waiting = reserve > 0
+            cap = self.args.max_consecutive_prefill_steps
+            if not (cap and reserve and self.prefill_streak >= cap):
+                budget = self._schedule_running_prefills(plan, views, budget, reserve)
+                self.admission.admit(plan, budget, reserve, views, shared_with)
+            # else the decoders waited `cap` prefill steps: this step is theirs
             if not plan:
                 before = len(running)
                 if not self._schedule_decodes(plan, views, ahead):
@@ -212,6 +222,7 @@ class Planner:
         plan.extend(PlannedReq(v.req, 1, True, start=v.kv_len) for v in decoders)
         if decoders:
             self.counters.decode_steps += 1
+            self._decodes_planned = True
         return True
 
     def _schedule_running_prefills(
@@ -246,6 +257,10 @@ class Planner:
         """The batch for `plan`; `pending`: the ids of the requests whose last token is the
         in-flight step's sample (the worker feeds it from the device)."""
         self.counters.step_id += 1
+        if self._decodes_planned or not self._decoders_waiting:
+            self.prefill_streak = 0
+        else:  # a prefill step while requests wait to decode
+            self.prefill_streak += 1
         batch = ForwardBatch(
             step=self.counters.step_id,
             reqs=[self._forward_req(p, id(p.req) in pending) for p in plan],

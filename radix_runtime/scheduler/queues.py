@@ -17,6 +17,8 @@ from radix_runtime.scheduler.stats import Counters
 
 logger = logging.getLogger("radix_runtime.scheduler.scheduler")
 
+OUTPUT_FRACTION_WEIGHT = 0.1  # of each finished request in `Queues.output_fraction`
+
 
 class Queues:
     def __init__(self, kv: KvBook, counters: Counters):
@@ -25,6 +27,10 @@ class Queues:
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}  # every request not finished, by rid
         self.outbox: list[ReqOutput] = []  # replies for the tokenizer process, sent after each step
+        # the fraction of max_new_tokens that finished requests used (an exponential average):
+        # what admission expects of the running requests' output (1.0 until one finished, and
+        # again after a retraction: the estimate was too low)
+        self.output_fraction = 1.0
 
     def start(self, req: Req) -> None:
         """An admitted request (its KV and slot taken, `KvBook.admit`) runs."""
@@ -49,6 +55,9 @@ class Queues:
         """Finish a running request: its pages go back (`KvBook.release`)."""
         self.running.remove(req)
         self.kv.release(req)
+        if reason in ("stop", "length") and req.sampling.max_new_tokens > 0:
+            used = min(len(req.output_ids) / req.sampling.max_new_tokens, 1.0)
+            self.output_fraction += OUTPUT_FRACTION_WEIGHT * (used - self.output_fraction)
         return self.finish(req, reason)
 
     def retract(self, req: Req) -> None:
@@ -60,6 +69,7 @@ class Queues:
         req.state = ReqState.WAITING
         req.retractions += 1
         self.counters.retractions += 1
+        self.output_fraction = 1.0
         self.waiting.insert(0, req)
 
     def take_outputs(self) -> list[ReqOutput]:

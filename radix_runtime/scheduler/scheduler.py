@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from radix_runtime.config import ServerArgs
+from radix_runtime.config import ServerArgs, auto_max_running_requests
 from radix_runtime.messages import (
     CacheStats,
     CompileGrammar,
@@ -49,6 +49,10 @@ def _total(name: str) -> property:
 
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: WorkerReady):
+        # the request slots: as the worker sized them, else as it would have (the same rule)
+        slots = worker.max_running_requests or args.max_running_requests
+        slots = slots or auto_max_running_requests((worker.num_pages - 1) * worker.page_size)
+        args = args.replace(max_running_requests=slots)
         self._args = args
         self.page_size = worker.page_size
         self.context_length = worker.context_length

@@ -1,8 +1,8 @@
 """The OpenAPI schema the server serves at /openapi.json (and renders at /docs, FastAPI's own
-Swagger UI): request bodies are the msgspec Structs the routes decode (protocol.py), so the schema
-is what the server accepts; responses are the Structs below, written to the shapes the renderers
-return (tests/unit/test_openapi_fuzz.py sends schema-generated requests and checks every answer
-against them). `--disable-docs` turns both routes off.
+Swagger UI): request bodies are the msgspec Structs the routes decode (frontend/schemas.py), so
+the schema is what the server accepts; responses are the Structs below, written to the shapes
+the renderers return (tests/unit/test_openapi_fuzz.py sends schema-generated requests and checks
+every answer against them). `--disable-docs` turns both routes off.
 """
 
 from __future__ import annotations

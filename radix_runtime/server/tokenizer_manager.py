@@ -86,6 +86,7 @@ class TokenizerManager:
         )
         self._ready = asyncio.get_running_loop().create_future()
         self._recv_task = asyncio.create_task(self._recv_loop())
+        self._recv_task.add_done_callback(self._recv_loop_ended)
         ready: m.SchedulerReady = await asyncio.wait_for(self._ready, timeout)
         self.context_length = ready.context_length
         self.vocab_size = ready.vocab_size
@@ -97,8 +98,8 @@ class TokenizerManager:
     async def close(self) -> None:
         if self._recv_task is not None:
             self._recv_task.cancel()
-        try:
-            await self.to_sched.send(m.encode(m.ShutdownReq()))
+        try:  # NOTE: never waits: after a death there may be nobody to take it
+            await self.to_sched.send(m.encode(m.ShutdownReq()), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         self.from_sched.close(0)
@@ -138,6 +139,15 @@ class TokenizerManager:
         return len(self.states)
 
     # -- receiving -------------------------------------------------------------------------
+
+    def _recv_loop_ended(self, task: asyncio.Task) -> None:
+        """The receive loop only ends by close(); a bug that ends it otherwise would leave every
+        request waiting forever, so it is a fatal error (in flight: 503; /health: 503)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        logger.error("the receive loop failed", exc_info=exc)
+        self.fail(f"the tokenizer process's receive loop failed: {exc!r}")
 
     async def _recv_loop(self) -> None:
         while True:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from radix_runtime import messages as m
-from radix_runtime.config import ServerArgs
+from radix_runtime.config import ServerArgs, auto_max_running_requests
 from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
@@ -158,8 +158,12 @@ class ModelRunner:
         )
         self.attn.bind_pool(self.kv_pool)
         self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
+        # request slots: --max-running-requests, else sized from the pool (the scheduler is told)
+        self.max_running = args.max_running_requests or auto_max_running_requests(
+            (self.kv_pool.num_pages - 1) * self.page_size
+        )
         # req_to_page[slot, i]: the page holding positions [i * page_size, (i + 1) * page_size)
-        self.req_to_page = np.zeros((args.max_running_requests, self.max_pages_per_slot), np.int32)
+        self.req_to_page = np.zeros((self.max_running, self.max_pages_per_slot), np.int32)
         self.grammars = self._grammar_cache(loaded.source)
         self.sampler = Sampler(
             c.vocab_size,
@@ -173,14 +177,12 @@ class ModelRunner:
         self._deferred: PendingStep | None = None  # launched with its sampling not queued yet
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
-        self.last_sampled = torch.zeros(
-            args.max_running_requests, dtype=torch.long, device=self.device
-        )
+        self.last_sampled = torch.zeros(self.max_running, dtype=torch.long, device=self.device)
         if self._fused_ops_available():
             self.use_kernels(self.kernels)
         self.cuda_graphs: CudaGraphRunner | None = None
         if self.attn.supports_cuda_graph and not args.disable_cuda_graph:
-            max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+            max_bs = min(args.cuda_graph_max_bs, self.max_running)
             self.cuda_graphs = CudaGraphRunner(
                 self.model, self.attn, self.kv_pool, max_bs, self.max_pages_per_slot, self.device
             )
@@ -195,7 +197,7 @@ class ModelRunner:
                 self.attn,
                 self.kv_pool,
                 args.cuda_graph_max_extend_tokens,
-                args.max_running_requests,
+                self.max_running,
                 self.max_pages_per_slot,
                 self.device,
             )
@@ -333,6 +335,7 @@ class ModelRunner:
             attention_backend=self.attn.name,
             kv_cache_dtype=self.kv_pool.kv_cache_dtype,
             quantization=self.quantization,
+            max_running_requests=self.max_running,
         )
 
     def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
@@ -440,6 +443,7 @@ class ModelRunner:
         if pending.sample is not None:
             used = len(pending.sample.tensors())
             out = pending.sample.to_host(host[:used])
+            self.sampler.resolve_step([pending.reqs[i].slot for i in pending.sampled], pending.step)
             for j, i in enumerate(pending.sampled):
                 res = results[i]
                 res.next_id = out.next_ids[j]

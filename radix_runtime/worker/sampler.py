@@ -260,6 +260,15 @@ class Sampler:
             if st.grammar is not None and not st.grammar.finished:
                 st.grammar.set_pending(step, host_ids, i, event)
 
+    def resolve_step(self, slots: list[int], step: int) -> None:
+        """Accept the tokens `slots` sampled in `step` into their grammars, all at once."""
+        states = [self.slots.get(s) for s in slots]
+        grammars = [st.grammar for st in states if st is not None and st.grammar is not None]
+        if grammars:
+            from radix_runtime.grammar.matcher import resolve_all
+
+            resolve_all(grammars, step)
+
     def grammar_status(
         self, slot: int, step: int, jump: bool = False
     ) -> tuple[bool, str | None, int | None, list[int]]:

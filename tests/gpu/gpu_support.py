@@ -1,19 +1,22 @@
-"""What the GPU tests share: runners on CUDA, a stand-in for the scheduler's page bookkeeping that
-drives several runners with identical ForwardBatch messages, and bf16-aware comparisons."""
+"""What the GPU tests share: runners on CUDA, tiny random HF models with their bf16 runner, and
+bf16-aware comparisons. The stand-in for the scheduler's page bookkeeping that drives several
+runners with identical ForwardBatch messages (`Driver`, `Seq`) is tests/model_support.py's."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+import copy
 
 import numpy as np
 import torch
+from model_support import hf_logits, save_hf, tiny_hf_model
 
-from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker.model_runner import ModelRunner
 
-GREEDY = m.SamplingParams(temperature=0.0)
+# model_support.TINY at sizes that reach the CUDA kernels' real code paths
+GPU_TINY = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, max_position_embeddings=1024
+)
 
 
 def cuda_runner(**overrides) -> ModelRunner:
@@ -38,68 +41,6 @@ def copy_weights(dst: ModelRunner, src: ModelRunner) -> None:
             p.copy_(src_params[name].to(p.dtype))
 
 
-@dataclass
-class Seq:
-    slot: int
-    pages: list[int] = field(default_factory=list)
-    sent_pages: int = 0  # pages the workers already have in this slot's row
-    cached: int = 0  # tokens whose KV is in the pool
-    opened: bool = False
-
-
-class Driver:
-    """Hands out pages like the scheduler would and sends every batch to all runners."""
-
-    def __init__(self, runners: list[ModelRunner]) -> None:
-        self.runners = runners
-        self.page_size = runners[0].page_size
-        self.next_page = 1  # page 0 is reserved
-        self.step_no = 0
-
-    def alloc(self, n: int) -> list[int]:
-        pages = list(range(self.next_page, self.next_page + n))
-        self.next_page += n
-        return pages
-
-    def req(
-        self, seq: Seq, ids: list[int], sample: bool = True, prompt_logprobs: bool = True
-    ) -> m.ForwardReq:
-        need = math.ceil((seq.cached + len(ids)) / self.page_size)
-        seq.pages += self.alloc(need - len(seq.pages))
-        r = m.ForwardReq(
-            slot=seq.slot,
-            input_ids=m.pack_ids(ids),
-            start_pos=seq.cached,
-            page_offset=seq.sent_pages,
-            new_pages=m.pack_ids(seq.pages[seq.sent_pages :]),
-            new_slot=not seq.opened,
-            sample=sample,
-            sampling=None if seq.opened else GREEDY,
-            prompt_logprobs=prompt_logprobs,
-        )
-        seq.sent_pages, seq.cached, seq.opened = len(seq.pages), seq.cached + len(ids), True
-        return r
-
-    def share_prefix(self, seq: Seq, source: Seq, tokens: int) -> None:
-        """`seq` starts with the first `tokens` (page-aligned) tokens of `source` already cached."""
-        assert tokens % self.page_size == 0 and not seq.opened
-        seq.pages = source.pages[: tokens // self.page_size]
-        seq.cached = tokens
-
-    def step(self, reqs: list[m.ForwardReq]) -> list[tuple[list, list[torch.Tensor | None]]]:
-        """One ForwardBatch (through the msgpack codec, as on the wire) to every runner."""
-        self.step_no += 1
-        frame = m.encode(m.ForwardBatch(step=self.step_no, reqs=reqs))
-        outs = []
-        for runner in self.runners:
-            result, logits = runner.forward_with_logits(m.decode(frame))
-            assert len(result.results) == len(reqs)
-            outs.append(
-                (result.results, [x.float().cpu() if x is not None else None for x in logits])
-            )
-        return outs
-
-
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -114,3 +55,26 @@ def greedy_agrees(got: torch.Tensor, ref: torch.Tensor, slack: float) -> bool:
 
 def random_ids(n: int, seed: int, vocab: int = 1024) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(3, vocab, size=n)]
+
+
+def hf_and_runner(arch: str, folder, runner_args: dict, **config):
+    """A tiny random `arch` model (GPU_TINY + `config`) saved in `folder`: transformers in float32
+    (the reference) and in bf16 (same weights, rounded) on the GPU, and our runner on the
+    checkpoint (bf16, FlashInfer, CUDA graphs) built with `runner_args`."""
+    model = tiny_hf_model(arch, std=0.05, bias_std=0.1, **GPU_TINY, **config)
+    path = save_hf(model, folder)
+    hf16 = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)
+    hf32 = model.cuda()
+    runner = ModelRunner(ServerArgs(model=path, device="cuda", **runner_args))
+    assert runner.dtype == torch.bfloat16 and runner.attn.name == "flashinfer"
+    assert runner.cuda_graphs is not None
+    return hf32, hf16, runner
+
+
+def check_against_hf(ours: torch.Tensor, hf32, hf16, ids: list[int], rows: slice) -> None:
+    """`ours` (bf16 logits of `rows` of `ids`) lands about as close to HF float32 as HF bf16
+    does, and picks the same greedy token wherever the choice is clear."""
+    ref, base = hf_logits(hf32, ids)[rows], hf_logits(hf16, ids)[rows]
+    err, err_hf16 = rel_err(ours, ref), rel_err(base, ref)
+    assert err < 2 * err_hf16 + 5e-3, f"ours {err:.2e}, HF bf16 {err_hf16:.2e}"
+    assert greedy_agrees(ours, ref, 0.1)

@@ -9,9 +9,9 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytest.importorskip("triton")
 
-from bench import gpu_worker  # noqa: E402
+from gpu_support import cuda_runner  # noqa: E402
 
-from .gpu_support import cuda_runner  # noqa: E402
+from bench import gpu_worker  # noqa: E402
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

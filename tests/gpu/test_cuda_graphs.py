@@ -8,7 +8,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytest.importorskip("flashinfer")
 
-from gpu_support import Driver, Seq, copy_weights, cuda_runner, greedy_agrees, random_ids, rel_err  # noqa: E402
+from gpu_support import copy_weights, cuda_runner, greedy_agrees, random_ids, rel_err  # noqa: E402
+from model_support import Driver, Seq  # noqa: E402
 
 from radix_runtime.worker.cuda_graph import capture_batch_sizes  # noqa: E402
 

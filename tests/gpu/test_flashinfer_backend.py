@@ -15,15 +15,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytest.importorskip("flashinfer")
 
-from gpu_support import (  # noqa: E402
-    Driver,
-    Seq,
-    copy_weights,
-    cuda_runner,
-    greedy_agrees,
-    random_ids,
-    rel_err,
-)
+from gpu_support import copy_weights, cuda_runner, greedy_agrees, random_ids, rel_err  # noqa: E402
+from model_support import Driver, Seq  # noqa: E402
 
 # bf16 logits of a 4-layer model vs exact arithmetic: ~3e-3 relative; a real bug is >> 1e-1
 MAX_REL_ERR = 2e-2

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 pytest.importorskip("triton")
 pytest.importorskip("flashinfer")
 
-from gpu_support import Driver, Seq, greedy_agrees, random_ids, rel_err  # noqa: E402
+from gpu_support import greedy_agrees, random_ids, rel_err  # noqa: E402
+from model_support import Driver, Seq  # noqa: E402
 
 from radix_runtime.config import ServerArgs  # noqa: E402
 from radix_runtime.worker.kernels import KernelConfig  # noqa: E402

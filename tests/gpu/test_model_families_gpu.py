@@ -17,80 +17,40 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 pytest.importorskip("flashinfer")
 transformers = pytest.importorskip("transformers")
 
-from gpu_support import Driver, Seq, copy_weights, greedy_agrees, random_ids, rel_err  # noqa: E402
+from gpu_support import (  # noqa: E402
+    GPU_TINY,
+    check_against_hf,
+    copy_weights,
+    hf_and_runner,
+    random_ids,
+    rel_err,
+)
+from model_support import Driver, Seq, hf_logits  # noqa: E402
 
 from radix_runtime.config import ServerArgs  # noqa: E402
 from radix_runtime.model_source import dummy_config_path  # noqa: E402
 from radix_runtime.worker.model_runner import ModelRunner  # noqa: E402
 
-VOCAB = 512
+VOCAB = GPU_TINY["vocab_size"]
 WINDOW = 64
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+FAMILIES = {
+    "qwen3": dict(rope_theta=1e6),
+    "mistral": dict(sliding_window=WINDOW),
+    "gemma3": dict(sliding_window=WINDOW, layer_types=LAYER_TYPES, query_pre_attn_scalar=128),
+}
 
 
-def _hf_model(family: str):
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,  # the windowed FlashInfer module Mistral-7B compiles, shared
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    if family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, rope_theta=1e6))
-    elif family == "mistral":
-        model = transformers.MistralForCausalLM(
-            transformers.MistralConfig(**common, sliding_window=WINDOW)
-        )
-    else:
-        cfg = transformers.Gemma3TextConfig(
-            **common,
-            sliding_window=WINDOW,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            query_pre_attn_scalar=128,
-        )
-        model = transformers.Gemma3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.05)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=["qwen3", "mistral", "gemma3"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def setup(request, tmp_path_factory):
-    model = _hf_model(request.param)
     folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder, safe_serialization=True)
-    hf32 = model.float().cuda()
-    hf16 = _hf_model(request.param).to(device="cuda", dtype=torch.bfloat16)
-    hf16.load_state_dict(model.state_dict())
-    runner = ModelRunner(
-        ServerArgs(model=str(folder), device="cuda", max_total_tokens=8192, cuda_graph_max_bs=16)
+    runner_args = dict(max_total_tokens=8192, cuda_graph_max_bs=16)
+    # head_dim 128: the windowed FlashInfer module Mistral-7B compiles, shared
+    hf32, hf16, runner = hf_and_runner(
+        request.param, folder, runner_args, head_dim=128, **FAMILIES[request.param]
     )
-    assert runner.dtype == torch.bfloat16 and runner.attn.name == "flashinfer"
-    assert runner.cuda_graphs is not None and runner.model._ops is not None
+    assert runner.model._ops is not None
     return hf32, hf16, runner
-
-
-def _hf(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
-
-
-def _check(ours: torch.Tensor, hf32, hf16, ids: list[int], rows: slice) -> None:
-    ref, base = _hf(hf32, ids)[rows], _hf(hf16, ids)[rows]
-    err, err_hf16 = rel_err(ours, ref), rel_err(base, ref)
-    assert err < 2 * err_hf16 + 5e-3, f"ours {err:.2e}, HF bf16 {err_hf16:.2e}"
-    assert greedy_agrees(ours, ref, 0.1)
 
 
 def test_prefill_prefix_and_decode_past_the_window(setup):
@@ -99,35 +59,35 @@ def test_prefill_prefix_and_decode_past_the_window(setup):
     prompt = random_ids(200, 0, VOCAB)
     a = Seq(slot=0)
     [(_, (logits,))] = d.step([d.req(a, prompt)])
-    _check(logits, hf32, hf16, prompt, slice(None))
+    check_against_hf(logits, hf32, hf16, prompt, slice(None))
 
     b = Seq(slot=1)  # chunks that straddle the window edge
     for lo, hi in [(0, 40), (40, 110), (110, 200)]:
         [(_, (logits,))] = d.step([d.req(b, prompt[lo:hi], sample=hi == 200)])
-        _check(logits, hf32, hf16, prompt[:hi], slice(lo, hi))
+        check_against_hf(logits, hf32, hf16, prompt[:hi], slice(lo, hi))
 
     c = Seq(slot=2)  # a cached prefix far longer than the window
     d.share_prefix(c, a, 150)
     tail = random_ids(9, 1, VOCAB)
     [(_, (logits,))] = d.step([d.req(c, tail)])
-    _check(logits, hf32, hf16, prompt[:150] + tail, slice(150, None))
+    check_against_hf(logits, hf32, hf16, prompt[:150] + tail, slice(150, None))
 
     # decode: 2 requests (Triton windowed kernel, graph of 2), then 12 (FlashInfer decode with
     # window_left, graph of 16)
-    seqs = {0: prompt + [int(_hf(hf32, prompt)[-1].argmax())]}
-    seqs[2] = prompt[:150] + tail + [int(_hf(hf32, prompt[:150] + tail)[-1].argmax())]
+    seqs = {0: prompt + [int(hf_logits(hf32, prompt)[-1].argmax())]}
+    seqs[2] = prompt[:150] + tail + [int(hf_logits(hf32, prompt[:150] + tail)[-1].argmax())]
     live = {0: a, 2: c}
     for i in range(3, 13):
         s = Seq(slot=i)
         ids = random_ids(70 + 5 * i, i, VOCAB)
         d.step([d.req(s, ids, prompt_logprobs=False)])
-        seqs[i], live[i] = ids + [int(_hf(hf32, ids)[-1].argmax())], s
+        seqs[i], live[i] = ids + [int(hf_logits(hf32, ids)[-1].argmax())], s
     for batch in ([0, 2], [0, 2], list(live)):
         outs = d.step([d.req(live[i], seqs[i][-1:]) for i in batch])
         [(_, logits)] = outs
         for i, got in zip(batch, logits):
-            _check(got, hf32, hf16, seqs[i], slice(-1, None))
-            seqs[i].append(int(_hf(hf32, seqs[i])[-1].argmax()))
+            check_against_hf(got, hf32, hf16, seqs[i], slice(-1, None))
+            seqs[i].append(int(hf_logits(hf32, seqs[i])[-1].argmax()))
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "mistral-7b", "gemma-3-12b"])

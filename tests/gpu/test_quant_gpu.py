@@ -12,15 +12,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 pytest.importorskip("triton")
 pytest.importorskip("flashinfer")
 
-from gpu_support import (  # noqa: E402
-    Driver,
-    Seq,
-    copy_weights,
-    cuda_runner,
-    greedy_agrees,
-    random_ids,
-    rel_err,
-)
+from gpu_support import copy_weights, cuda_runner, greedy_agrees, random_ids, rel_err  # noqa: E402
+from model_support import Driver, Seq  # noqa: E402
 
 from radix_runtime.worker.kernels import decode_attention, fp8_quant, gemv, kv_store  # noqa: E402
 from radix_runtime.worker.quant import Fp8Linear  # noqa: E402

@@ -223,7 +223,8 @@ def test_hits_after_eviction_and_retraction(runner_factory):
     arrivals = [0] * len(prompts)
     greedy = m.SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
     off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
-    small = base.replace(max_total_tokens=260)
+    # admission reserving only the decoders' next pages (as SGLang's with a low token ratio)
+    small = base.replace(max_total_tokens=260, schedule_conservativeness=0.0)
     small_runner = runner_factory(small)
     on, sched = run(small_runner, small, prompts, greedy, arrivals)
     assert on == off
@@ -283,7 +284,7 @@ def test_constrained_greedy_cache_overlap_and_retraction(runner_factory, kind):
     assert (
         run(runner_factory(threaded), threaded, prompts, sampling, arrivals, defer=True)[0] == off
     )
-    small = base.replace(max_total_tokens=300)
+    small = base.replace(max_total_tokens=300, schedule_conservativeness=0.0)
     small_runner = runner_factory(small)
     for args, defer in ((small, False), (small.replace(disable_overlap_schedule=False), True)):
         pressed, sched = run(small_runner, args, prompts, sampling, [0] * len(prompts), defer=defer)
@@ -375,3 +376,21 @@ def test_jump_forward_valid_fewer_steps_and_cache_equivalent(runner_factory):
         assert ids[: len(tokenizer.encode(key, add_special_tokens=False))] == tokenizer.encode(
             key, add_special_tokens=False
         )
+
+
+def test_prefill_cap_keeps_greedy_outputs(runner_factory):
+    """--max-consecutive-prefill-steps 1 interleaves decode steps into a prefill burst: steps of
+    other shapes, the same greedy tokens with the cache on, off and the overlap schedule."""
+    base = tiny_args()
+    runner = runner_factory(base)
+    prompts = prompts_sharing_prefixes(runner.ready_info().vocab_size, seed=7)
+    arrivals = [0, 0] + [2] * (len(prompts) - 2)
+    greedy = m.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    off, _ = run(runner, base.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    _, free = run(runner, base, prompts, greedy, arrivals)
+    capped = base.replace(max_consecutive_prefill_steps=1)
+    on, sched = run(runner, capped, prompts, greedy, arrivals)
+    assert on == off
+    assert sched.decode_steps > free.decode_steps  # decode steps ran between prefill chunks
+    overlap = capped.replace(disable_overlap_schedule=False)
+    assert run(runner, overlap, prompts, greedy, arrivals)[0] == off

@@ -44,11 +44,11 @@ def free_ports(n: int) -> int:
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory):
-    events, replay = free_ports(2), free_ports(2)
+    events, replay, health = free_ports(2), free_ports(2), free_port()
     handle = start_server(
         str(tmp_path_factory.mktemp("dp")),
         "--dp", "2", "--router-policy", "cache_aware", "--max-total-tokens", "4096",
-        "--api-key", KEY,
+        "--api-key", KEY, "--dp-health-port", str(health),
         "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
     )  # fmt: skip
@@ -60,6 +60,7 @@ def dp(tmp_path_factory):
             break
         assert time.monotonic() < deadline, r.text
         time.sleep(0.2)
+    handle.health_url = f"http://127.0.0.1:{health}/health"
     handle.kv_endpoints = [
         (f"tcp://127.0.0.1:{events + i}", f"tcp://127.0.0.1:{replay + i}") for i in range(2)
     ]
@@ -248,6 +249,11 @@ def test_client_disconnect_aborts_on_the_replica(dp):
 
 def test_killing_a_replica_keeps_requests_succeeding(dp):
     by_url = replicas(dp)
+    before = httpx.get(dp.health_url, timeout=5)
+    assert before.status_code == 200 and [r["alive"] for r in before.json()["replicas"]] == [
+        True,
+        True,
+    ]
     with dp.client() as client:
         conversation(client, "Hal", 1)  # the router now holds Hal's prefix on one replica
         victim = max(by_url, key=lambda u: replica_info(u)["cache"]["evictable_pages"])
@@ -265,6 +271,12 @@ def test_killing_a_replica_keeps_requests_succeeding(dp):
             assert client.post("/generate", json={"text": "hello", "sampling_params": {
                 "max_new_tokens": 2}}).status_code == 200  # fmt: skip
     assert re.search(r"replica \d \(" + re.escape(victim) + r"\) exited", dp.log())
+    # the router's /readiness still counts a healthy replica; our /health names the dead one
+    assert httpx.get(dp.url + "/readiness", timeout=5).status_code == 200
+    after = httpx.get(dp.health_url, timeout=5)
+    assert after.status_code == 503 and after.json()["error"]["code"] == "replica_dead"
+    assert victim in after.json()["error"]["message"]
+    assert sorted(r["alive"] for r in after.json()["replicas"]) == [False, True]
 
 
 def test_sigterm_drains_then_stops_every_process(dp):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from model_support import save_hf, tiny_hf_model
 from test_cache_equivalence import prompts_sharing_prefixes, run
 
 from radix_runtime import messages as m
@@ -17,20 +17,10 @@ VOCAB = 256
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=2, bos_token_id=1,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # peaked logits: greedy choices far from ties
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.1)
-    folder = tmp_path_factory.mktemp("fp8kv")
-    model.float().save_pretrained(folder, safe_serialization=True)
-    return str(folder)
+    # peaked logits (weights ~ N(0, 0.1), norms at 1): greedy choices far from ties
+    model = tiny_hf_model(std=0.1, norm_std=0, vocab_size=VOCAB, num_hidden_layers=2,
+                          max_position_embeddings=512, rms_norm_eps=1e-6)  # fmt: skip
+    return save_hf(model, tmp_path_factory.mktemp("fp8kv"))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -6,8 +6,7 @@ much longer than the window: Mistral (every layer windowed) and Gemma 3 (local a
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
+from model_support import save_hf, tiny_hf_model
 from test_cache_equivalence import prompts_sharing_prefixes, run
 
 from radix_runtime import messages as m
@@ -16,39 +15,14 @@ from radix_runtime.config import ServerArgs
 pytestmark = pytest.mark.slow
 
 WINDOW = 16
-COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    eos_token_id=2,
-    bos_token_id=1,
-)
+# peaked logits (weights ~ N(0, 0.1), norms at 1): greedy choices far from ties
+PEAKED = dict(std=0.1, norm_std=0, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6)
+GEMMA3 = dict(head_dim=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
 def _save(family: str, folder) -> str:
-    torch.manual_seed(0)
-    if family == "mistral":
-        model = transformers.MistralForCausalLM(
-            transformers.MistralConfig(**COMMON, sliding_window=WINDOW)
-        )
-    else:
-        cfg = transformers.Gemma3TextConfig(
-            **COMMON,
-            head_dim=16,
-            sliding_window=WINDOW,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        )
-        model = transformers.Gemma3ForCausalLM(cfg)
-    with torch.no_grad():  # peaked logits: greedy choices far from ties
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.1)
-    model.float().save_pretrained(folder, safe_serialization=True)
-    return str(folder)
+    extra = GEMMA3 if family == "gemma3" else {}
+    return save_hf(tiny_hf_model(family, **PEAKED, sliding_window=WINDOW, **extra), folder)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
@@ -69,7 +43,7 @@ def test_windowed_greedy_cache_on_equals_off(family, page_size, tmp_path):
     )
     runner = ModelRunner(base)
     assert runner.config.sliding_window == WINDOW
-    prompts = prompts_sharing_prefixes(COMMON["vocab_size"])
+    prompts = prompts_sharing_prefixes(PEAKED["vocab_size"])
     assert max(len(p) for p in prompts) > 64 + WINDOW  # chunks and hits beyond the window
     arrivals = [i // 2 * 3 for i in range(len(prompts))]
     greedy = m.SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)

@@ -192,9 +192,12 @@ COUNT_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def small_pool_server(tmp_path_factory):
+    # admission reserving only the decoders' next pages: the pool runs out and retracts
     handle = support.start_server(
-        str(tmp_path_factory.mktemp("small_pool")), "--max-total-tokens", str(SMALL_POOL)
-    )
+        str(tmp_path_factory.mktemp("small_pool")),
+        "--max-total-tokens", str(SMALL_POOL),
+        "--schedule-conservativeness", "0",
+    )  # fmt: skip
     yield handle
     handle.stop()
 

@@ -109,7 +109,7 @@ def test_api_key_comparison_is_constant_time():
     )
     calls = [ast.unparse(n.func) for n in ast.walk(middleware) if isinstance(n, ast.Call)]
     assert "find_tenant" in calls
-    source = (PACKAGE / "server" / "tenancy.py").read_text()
+    source = (PACKAGE / "frontend" / "tenancy.py").read_text()
     find = next(
         n
         for n in ast.walk(ast.parse(source))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import msgspec
 import pytest
 
@@ -121,3 +122,38 @@ def test_router_gets_the_one_key_and_refuses_tenants():
     for bad in ({"api_key": ["a", "b"]}, {"api_key": "a", "cache_isolation": "api-key"}):
         with pytest.raises(ValueError, match="one --api-key"):
             ServerArgs(dp=2, **bad).validate()
+
+
+class ExitedOrNot:
+    """What the supervisor reads of a child process: poll() -> None while it runs."""
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def test_the_supervisors_health_reports_a_dead_replica():
+    args = ServerArgs(dp=2, port=8000)
+    supervisor = sup.Supervisor(args)
+    supervisor.plans = sup.plan_replicas(args, [], [0, 1], [9001, 9002])
+    supervisor.replicas = {0: ExitedOrNot(), 1: ExitedOrNot()}
+    supervisor.router = ExitedOrNot()
+    port = sup.free_port()
+    health = sup.HealthServer(supervisor, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}/health"
+    try:
+        ok = httpx.get(url, timeout=5)
+        assert ok.status_code == 200 and ok.json()["status"] == "ok"
+        assert [r["alive"] for r in ok.json()["replicas"]] == [True, True]
+        supervisor.replicas[1].code = -9
+        dead = httpx.get(url, timeout=5)
+        assert dead.status_code == 503 and dead.json()["status"] == "degraded"
+        error = dead.json()["error"]
+        assert error["code"] == "replica_dead" and error["type"] == "server_error"
+        assert "replica 1 (http://127.0.0.1:9002) exited with code -9" in error["message"]
+        assert [r["alive"] for r in dead.json()["replicas"]] == [True, False]
+        assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=5).status_code == 404
+    finally:
+        health.close()

@@ -59,6 +59,9 @@ def run(prompts, arrivals, *, hicache, page_size=1, pool=96, host=4096, overlap=
         disable_overlap_schedule=not overlap,
         enable_hierarchical_cache=hicache,
         hicache_write_policy=policy,
+        # admission reserves only the decoders' next pages: these tiny pools then see the
+        # evictions, loads and retractions the tests are about
+        schedule_conservativeness=0.0,
     )
     num_pages = pool // page_size + 1
     worker = (

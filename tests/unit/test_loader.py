@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from model_support import assert_logits_close, finish_gguf, gguf_writer, hf_logits, tiny_hf_model
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
@@ -132,22 +133,9 @@ END_OF_TURN = 5
 
 
 def _tiny_hf_llama() -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config).float().eval()
+    model = tiny_hf_model(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=128,
+                          tie_word_embeddings=True)  # fmt: skip
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.08)
         # the GGUF stores the embedding as Q8_0: give HF the same dequantized values
         emb = model.model.embed_tokens.weight
         q8 = gguf.quants.quantize(emb.numpy(), gguf.GGMLQuantizationType.Q8_0)
@@ -169,18 +157,9 @@ def _gguf_name(hf_name: str) -> str:
 
 def write_gguf(model: transformers.LlamaForCausalLM, path: str) -> None:
     c = model.config
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    tokens = [f"<t{i}>" if i != END_OF_TURN else "<|im_end|>" for i in range(VOCAB)]
+    w = gguf_writer(model, path, "llama", tokens)
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(VOCAB)
-    w.add_token_list([f"<t{i}>" if i != END_OF_TURN else "<|im_end|>" for i in range(VOCAB)])
-    w.add_eos_token_id(2)
     w.add_chat_template("{{ message['content'] }}<|im_end|>")
     for name, p in model.state_dict().items():
         if name == "lm_head.weight":
@@ -195,10 +174,7 @@ def write_gguf(model: transformers.LlamaForCausalLM, path: str) -> None:
             w.add_tensor(_gguf_name(name), q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(_gguf_name(name), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.fixture()
@@ -253,9 +229,7 @@ def test_gguf_conversion_cache_hit_and_logits_match_hf(synthetic_gguf):
         prompt_logprobs=True,
     )
     _, (logits,) = runner.forward_with_logits(m.ForwardBatch(step=1, reqs=[req]))
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    assert (logits - ref).abs().max().item() < 1e-4
+    assert_logits_close(logits, hf_logits(hf, prompt))
 
 
 def test_unreadable_cache_is_rebuilt(synthetic_gguf):

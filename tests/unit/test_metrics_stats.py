@@ -11,7 +11,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from radix_runtime import messages as m
-from radix_runtime.config import ServerArgs, add_server_args, args_from_namespace
+from radix_runtime.config import (
+    ServerArgs,
+    add_server_args,
+    args_from_namespace,
+    auto_max_running_requests,
+)
 from radix_runtime.scheduler.stats import SCHEDULER_HISTOGRAMS, Counters, SchedulerStats
 from radix_runtime.server.http_server import build_app
 from radix_runtime.server.metrics import Metrics, RequestTiming
@@ -199,13 +204,14 @@ def test_the_scheduler_process_answers_metrics(tmp_path, disable):
     args = ServerArgs(disable_metrics=disable, max_total_tokens=256, radix_tree_impl="python")
     proc = SchedulerProcess(args, str(tmp_path))
     try:
-        worker = ts.FakeWorker(257, 1, args.max_running_requests)
+        worker = ts.FakeWorker(257, 1, auto_max_running_requests(256))
         sched = proc.scheduler = Scheduler(args, worker.ready())
         sent = []
         proc.send_tok = sent.append
         for rid in ("a", "b"):
             prompt = m.pack_ids(list(range(1, 11)))
-            sched.add_request(m.GenerateReq(rid=rid, input_ids=prompt, sampling=m.SamplingParams()))
+            sampling = m.SamplingParams(max_new_tokens=8)  # both fit the pool at full length
+            sched.add_request(m.GenerateReq(rid=rid, input_ids=prompt, sampling=sampling))
         batch, plan = sched.schedule()
         sched.process_result(plan, worker.forward(batch))
         proc.handle(m.MetricsReq())

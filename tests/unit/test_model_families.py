@@ -20,7 +20,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_model_vs_hf import PROMPT, VOCAB, Driver, Seq, _close, _runner, hf_logits
+from model_support import (
+    PROMPT,
+    TINY,
+    VOCAB,
+    Driver,
+    Seq,
+    assert_logits_close,
+    finish_gguf,
+    float32_runner,
+    gguf_writer,
+    hf_logits,
+    save_hf,
+    tiny_hf_model,
+)
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker import gguf_format, loader
@@ -32,77 +45,44 @@ from radix_runtime.worker.model_config import (
 )
 
 WINDOW = 8
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    eos_token_id=2,
-    bos_token_id=1,
-)
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}
+GEMMA3 = dict(  # local, global, local; linear-scaled global RoPE; final soft-cap
+    head_dim=16,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    query_pre_attn_scalar=24,
+    final_logit_softcapping=20.0,
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+)
+# family -> (arch, config on top of model_support.TINY)
+MODELS = {
+    "qwen3": (
+        "qwen3",
+        dict(head_dim=16, rope_parameters={**YARN, "rope_theta": 1e6}),
+    ),  # untied, YaRN
+    "qwen3_tied": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
+    # Qwen's own windows: layers from max_window_layers on
+    "qwen3_swa": (
+        "qwen3",
+        dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),  # fmt: skip
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "gemma3": ("gemma3", GEMMA3),
+}
 
 
-def _make(family: str) -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
-    if family == "qwen3":  # untied, YaRN scaling (Qwen3's long-context setting)
-        cfg = transformers.Qwen3Config(
-            **COMMON, head_dim=16, rope_parameters={**YARN, "rope_theta": 1e6}
-        )
-        model = transformers.Qwen3ForCausalLM(cfg)
-    elif family == "qwen3_tied":
-        cfg = transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
-        model = transformers.Qwen3ForCausalLM(cfg)
-    elif family == "qwen3_swa":  # Qwen's own windows: layers from max_window_layers on
-        cfg = transformers.Qwen3Config(
-            **COMMON, head_dim=16, use_sliding_window=True, sliding_window=WINDOW,
-            max_window_layers=1,
-        )  # fmt: skip
-        model = transformers.Qwen3ForCausalLM(cfg)
-    elif family == "mistral":
-        cfg = transformers.MistralConfig(**COMMON, sliding_window=WINDOW)
-        model = transformers.MistralForCausalLM(cfg)
-    elif family == "gemma3":  # local, global, local; linear-scaled global RoPE; final soft-cap
-        cfg = transformers.Gemma3TextConfig(
-            **COMMON,
-            head_dim=16,
-            sliding_window=WINDOW,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            query_pre_attn_scalar=24,
-            final_logit_softcapping=20.0,
-            rope_parameters={
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            },
-        )
-        model = transformers.Gemma3ForCausalLM(cfg)
-    else:
-        raise ValueError(family)
-    model = model.float().eval()
-    with torch.no_grad():  # perturb everything so each weight (and each norm) matters
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    return model
-
-
-FAMILIES = ["qwen3", "qwen3_tied", "qwen3_swa", "mistral", "gemma3"]
+FAMILIES = list(MODELS)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     out = {}
-    for family in FAMILIES:
-        model = _make(family)
-        folder = tmp_path_factory.mktemp(family)
-        model.save_pretrained(folder, safe_serialization=True)
-        out[family] = (str(folder), model)
+    for family, (arch, config) in MODELS.items():
+        model = tiny_hf_model(arch, **config)
+        out[family] = (save_hf(model, tmp_path_factory.mktemp(family)), model)
     return out
 
 
@@ -112,7 +92,7 @@ def test_configs_name_their_family(checkpoints):
     assert got["qwen3"].rope_scaling["rope_type"] == "yarn" and not got["qwen3"].tie_word_embeddings
     assert got["qwen3_tied"].tie_word_embeddings
     assert got["qwen3_swa"].layer_windows == (0, WINDOW, WINDOW)
-    no_types = transformers.Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
+    no_types = transformers.Qwen3Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
                                         max_window_layers=2).to_dict()  # fmt: skip
     no_types.pop("layer_types")  # older config.json files: derived from max_window_layers
     assert config_from_hf_dict(no_types).layer_windows == (0, 0, WINDOW)
@@ -130,12 +110,12 @@ def test_logits_match_transformers(checkpoints, family, page_size):
     """Full prefill, chunked prefill crossing the window edge, a cached prefix read by a fresh
     slot, greedy decode, and a mixed batch: every row within 1e-4 of transformers."""
     folder, hf = checkpoints[family]
-    d = Driver(_runner(folder, page_size))
+    d = Driver(float32_runner(folder, page_size))
     ref = hf_logits(hf, PROMPT)
 
     a = Seq(slot=0)
-    (res,), (logits,) = d.step([d.req(a, PROMPT)])
-    _close(logits, ref)
+    (res,), (logits,) = d.forward([d.req(a, PROMPT)])
+    assert_logits_close(logits, ref)
     assert res.next_id == int(ref[-1].argmax())
 
     b = Seq(slot=1)
@@ -143,8 +123,8 @@ def test_logits_match_transformers(checkpoints, family, page_size):
     for lo, hi in zip(bounds, bounds[1:]):
         last = hi == len(PROMPT)
         nxt = -1 if last else PROMPT[hi]
-        (res,), (logits,) = d.step([d.req(b, PROMPT[lo:hi], sample=last, next_token=nxt)])
-        _close(logits, ref[lo:hi])
+        (res,), (logits,) = d.forward([d.req(b, PROMPT[lo:hi], sample=last, next_token=nxt)])
+        assert_logits_close(logits, ref[lo:hi])
 
     shared = 28  # a fresh slot reads 28 cached tokens (window 8: most of them out of reach)
     tail = [int(x) for x in np.random.default_rng(1).integers(3, VOCAB, size=10)]
@@ -153,20 +133,20 @@ def test_logits_match_transformers(checkpoints, family, page_size):
         c.pages, c.cached = c.pages[:-1], shared - shared % page_size
         tail = PROMPT[c.cached : shared] + tail
     start = c.cached
-    (res,), (logits,) = d.step([d.req(c, tail)])
-    _close(logits, hf_logits(hf, PROMPT[:start] + tail)[start:])
+    (res,), (logits,) = d.forward([d.req(c, tail)])
+    assert_logits_close(logits, hf_logits(hf, PROMPT[:start] + tail)[start:])
 
     seq = PROMPT + [int(ref[-1].argmax())]
     other = PROMPT[10:40]
     n = Seq(slot=3)
     for i in range(4):  # decode of `a`; on step 2 a newcomer's prefill joins the batch
         reqs = [d.req(a, [seq[-1]])] + ([d.req(n, other)] if i == 2 else [])
-        results, logits = d.step(reqs)
+        results, logits = d.forward(reqs)
         full = hf_logits(hf, seq)
-        _close(logits[0], full[-1:])
+        assert_logits_close(logits[0], full[-1:])
         assert results[0].next_id == int(full[-1].argmax())
         if i == 2:
-            _close(logits[1], hf_logits(hf, other))
+            assert_logits_close(logits[1], hf_logits(hf, other))
         seq.append(results[0].next_id)
 
 
@@ -211,10 +191,10 @@ def test_multimodal_gemma3_checkpoint_loads_its_language_model(checkpoints, tmp_
     }
     tensors["model.vision_tower.patch.weight"] = torch.zeros(2, 2)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    runner = _runner(str(tmp_path), 4)
+    runner = float32_runner(str(tmp_path), 4)
     assert runner.config.eos_token_ids == (1, 106)
-    (res,), (logits,) = Driver(runner).step([Driver(runner).req(Seq(slot=0), PROMPT[:20])])
-    _close(logits, hf_logits(hf, PROMPT[:20]))
+    (res,), (logits,) = Driver(runner).forward([Driver(runner).req(Seq(slot=0), PROMPT[:20])])
+    assert_logits_close(logits, hf_logits(hf, PROMPT[:20]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,19 +238,9 @@ def _gguf_name(hf_name: str, arch: str) -> str:
 
 def write_gguf(model: transformers.PreTrainedModel, path: str, arch: str) -> None:
     c = model.config
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = gguf_writer(model, path, arch, [f"<t{i}>" for i in range(VOCAB)])
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(VOCAB)
-    w.add_token_list([f"<t{i}>" for i in range(VOCAB)])
-    w.add_eos_token_id(2)
     if arch == "qwen3":
         w.add_rope_freq_base(c.rope_parameters["rope_theta"])
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -288,17 +258,15 @@ def write_gguf(model: transformers.PreTrainedModel, path: str, arch: str) -> Non
         if arch == "gemma3" and name.endswith("norm.weight"):
             arr = arr + 1.0  # llama.cpp stores Gemma's norms as (1 + w)
         w.add_tensor(_gguf_name(name, arch), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def _gemma3_like_llama_cpp() -> transformers.PreTrainedModel:
     """A Gemma 3 with what a GGUF implies: 6 layers, the 6th global, head_dim scale, no cap."""
-    torch.manual_seed(1)
-    cfg = transformers.Gemma3TextConfig(
-        **{**COMMON, "num_hidden_layers": 6},
+    return tiny_hf_model(
+        "gemma3",
+        seed=1,
+        num_hidden_layers=6,
         head_dim=16,
         sliding_window=WINDOW,
         query_pre_attn_scalar=16,
@@ -307,11 +275,6 @@ def _gemma3_like_llama_cpp() -> transformers.PreTrainedModel:
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     )
-    model = transformers.Gemma3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.08)
-    return model
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
@@ -326,8 +289,8 @@ def test_gguf_logits_match_transformers(checkpoints, arch, tmp_path, monkeypatch
         assert c.layer_windows == (WINDOW,) * 5 + (0,)
     runner = ModelRunnerFor(path)  # converts the GGUF (and caches the conversion)
     d = Driver(runner)
-    (res,), (logits,) = d.step([d.req(Seq(slot=0), PROMPT)])
-    _close(logits, hf_logits(hf, PROMPT))
+    (res,), (logits,) = d.forward([d.req(Seq(slot=0), PROMPT)])
+    assert_logits_close(logits, hf_logits(hf, PROMPT))
     again = loader.load_model(ServerArgs(model=path), torch.device("cpu"), torch.float32)
     assert again.cache_hit is True and again.config == runner.config
     for (name, x), (_, y) in zip(runner.model.named_parameters(), again.model.named_parameters()):

@@ -1,4 +1,5 @@
-"""protocol.py without HTTP: decoding, validation helpers, accumulation and response shapes."""
+"""frontend/ without HTTP: decoding (schemas), validation, accumulation (contract) and response
+shapes (rendering)."""
 
 from __future__ import annotations
 

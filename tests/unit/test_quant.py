@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from model_support import PROMPT, Driver, Seq, hf_logits, save_hf, tiny_hf_model
 from safetensors.torch import save_file
-from test_model_vs_hf import PROMPT, VOCAB, Driver, Seq, hf_logits
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker.kv_pool import KVPool
@@ -39,30 +39,10 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 
 def _tiny_llama(family: str = "llama") -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
-    kind = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
+    """Llama or Qwen3, 2 layers, intermediate 128, untied; norms left at 1."""
     extra = {"head_dim": 16} if family == "qwen3" else {}
-    cfg = kind(
-        **extra,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        eos_token_id=2,
-        bos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    cls = transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.LlamaForCausalLM
-    model = cls(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.1)
-    return model
+    return tiny_hf_model(family, std=0.1, norm_std=0, intermediate_size=128, num_hidden_layers=2,
+                         tie_word_embeddings=False, **extra)  # fmt: skip
 
 
 def _proj_names(model) -> list[str]:
@@ -190,7 +170,7 @@ def fp8_activation_hooks(model) -> None:
 def _prompt_logits(args: ServerArgs) -> tuple[torch.Tensor, ModelRunner]:
     runner = ModelRunner(args)
     drv = Driver(runner)
-    _, logits = drv.step([drv.req(Seq(slot=0), PROMPT)])
+    _, logits = drv.forward([drv.req(Seq(slot=0), PROMPT)])
     return logits[0], runner
 
 
@@ -222,8 +202,7 @@ def test_quantized_checkpoint_matches_its_dequantized_reference(fmt, family, tmp
 def test_quantize_at_load_fp8_matches_reference(tmp_path):
     """--quantization fp8 on a float checkpoint: per-output-channel weights, per-token activations."""
     model = _tiny_llama()
-    model.save_pretrained(tmp_path / "f32", safe_serialization=True)
-    ours, runner = _prompt_logits(_args(str(tmp_path / "f32"), quantization="fp8"))
+    ours, runner = _prompt_logits(_args(save_hf(model, tmp_path / "f32"), quantization="fp8"))
     assert runner.quantization == "fp8"
     with torch.no_grad():
         for name in _proj_names(model):
@@ -239,8 +218,7 @@ def test_quantize_at_load_int4_rtn_matches_reference(tmp_path):
     """--quantization int4: every projection rounded to the asymmetric int4 grid in groups of 128
     input columns (64 where 128 does not divide: this model's hidden size)."""
     model = _tiny_llama()
-    model.save_pretrained(tmp_path / "f32", safe_serialization=True)
-    ours, runner = _prompt_logits(_args(str(tmp_path / "f32"), quantization="int4"))
+    ours, runner = _prompt_logits(_args(save_hf(model, tmp_path / "f32"), quantization="int4"))
     assert runner.quantization == "int4"
     with torch.no_grad():
         for name in _proj_names(model):
@@ -259,7 +237,7 @@ def test_quantize_at_load_int4_rtn_matches_reference(tmp_path):
 @pytest.fixture(scope="module")
 def float_llama(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("llama") / "f32"
-    _tiny_llama().save_pretrained(folder, safe_serialization=True)
+    save_hf(_tiny_llama(), folder)
     return str(folder)
 
 

@@ -137,6 +137,7 @@ def run_workload(
     ignore_eos=False,
     namespaces=None,
     on_step=None,
+    extra_args=None,
 ):
     """Run prompts to completion; `namespaces[i]` is request i's cache namespace ("": public); `arrivals[i]` is the step at which request i arrives.
 
@@ -145,7 +146,7 @@ def run_workload(
     entry per batch sent). `overlap` runs the overlap schedule's loop; `stop_ids` are stop token
     ids; `aborts` maps a rid to the step at which it is aborted; `info`, a dict, gets the
     driver's counters; `on_step(sched, step)` runs before each iteration (where the scheduler
-    process handles control messages)."""
+    process handles control messages); `extra_args`: more ServerArgs fields."""
     args = ServerArgs(
         page_size=page_size,
         max_total_tokens=pool_tokens,
@@ -156,6 +157,7 @@ def run_workload(
         radix_tree_impl="python",
         enable_mixed_chunk=mixed,
         disable_overlap_schedule=not overlap,
+        **(extra_args or {}),
     )
     worker = FakeWorker(pool_tokens // page_size + 1, page_size, max_running)
     sched = Scheduler(args, worker.ready())
@@ -294,6 +296,8 @@ def check_pressure_evicts_and_retracts(page_size, mixed, overlap=False):
         max_running=8,
         mixed=mixed,
         overlap=overlap,
+        # admission reserves only the decoders' next pages: the decoders outgrow the pool
+        extra_args={"schedule_conservativeness": 0.0},
     )
     assert on == off
     assert sched.retractions > 0, "a 256-token pool must force retraction"
@@ -316,15 +320,24 @@ def test_pressure_evicts_and_retracts_without_changing_outputs_mixed(page_size, 
 
 
 def decoding_scheduler(
-    n_decoders=2, *, mixed=False, max_running=8, pool_tokens=4096, chunk=64, max_new=40
+    n_decoders=2,
+    *,
+    mixed=False,
+    max_running=8,
+    pool_tokens=4096,
+    chunk=64,
+    max_new=40,
+    conservativeness=1.0,
 ):
-    """A scheduler (and its fake worker) with `n_decoders` requests already decoding."""
+    """A scheduler (and its fake worker) with `n_decoders` requests already decoding
+    (`conservativeness`: --schedule-conservativeness; 0 lets admission outgrow the pool)."""
     args = ServerArgs(
         max_total_tokens=pool_tokens,
         max_running_requests=max_running,
         chunked_prefill_size=chunk,
         radix_tree_impl="python",
         enable_mixed_chunk=mixed,
+        schedule_conservativeness=conservativeness,
     )
     worker = FakeWorker(pool_tokens + 1, 1, max_running)
     sched = Scheduler(args, worker.ready())
@@ -426,7 +439,7 @@ def test_waiting_request_without_memory_does_not_stall_decodes(mixed):
 def drive_decoder_and_long_prompt(pool_tokens, mixed):
     """A decodes while B's 36-token prompt arrives in chunks of 16; returns outputs, batches."""
     sched, worker = decoding_scheduler(
-        1, mixed=mixed, pool_tokens=pool_tokens, chunk=16, max_new=30
+        1, mixed=mixed, pool_tokens=pool_tokens, chunk=16, max_new=30, conservativeness=0.0
     )
     for _ in range(3):
         step(sched, worker)
@@ -784,7 +797,7 @@ def test_stop_finish_caches_no_run_ahead_token(page_size):
 def test_schedule_ahead_falls_back_instead_of_retracting():
     # 2 decoders in a 15-token pool: after two steps and a run-ahead one, the step after the
     # next does not fit next to them (a retraction), so the run-ahead falls back
-    sched, worker = decoding_scheduler(2, pool_tokens=15, max_new=40)
+    sched, worker = decoding_scheduler(2, pool_tokens=15, max_new=40, conservativeness=0.0)
     fell_back = False
     for _ in range(20):
         scheduled = sched.schedule()
@@ -817,3 +830,75 @@ def test_overlap_flag():
     assert args_from_namespace(parser.parse_args([])).disable_overlap_schedule is False
     ns = parser.parse_args(["--disable-overlap-schedule"])
     assert args_from_namespace(ns).disable_overlap_schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# --max-consecutive-prefill-steps: decoders wait at most N prefill steps under a burst
+
+
+def decoder_gaps(trace, rid: str) -> list[int]:
+    """Steps without a row of `rid` between two consecutive steps with one, once `rid` decodes
+    (its rows after its last prefill chunk)."""
+    steps = [i for i, rows in enumerate(trace) if any(r == rid for r, _ in rows)]
+    decoding = [i for i in steps if dict(trace[i])[rid] == 1]
+    return [b - a - 1 for a, b in zip(decoding, decoding[1:])]
+
+
+def burst_workload():
+    """Two short prompts decode while six long ones (4 prefill chunks of 64 each) arrive."""
+    rng = random.Random(11)
+    short = [[rng.randrange(1, VOCAB) for _ in range(6)] for _ in range(2)]
+    long = [[rng.randrange(1, VOCAB) for _ in range(250)] for _ in range(6)]
+    return short + long, [0, 0] + [4] * 6
+
+
+@OVERLAP
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_cap_bounds_the_decoders_wait(overlap, page_size):
+    prompts, arrivals = burst_workload()
+    kw = dict(page_size=page_size, arrivals=arrivals, overlap=overlap, ignore_eos=True)
+    free_trace, capped_trace = [], []
+    free, _, _ = run_workload(prompts, 60, trace=free_trace, **kw)
+    for cap, trace in ((1, capped_trace), (3, [])):
+        capped, _, sched = run_workload(
+            prompts, 60, trace=trace, extra_args={"max_consecutive_prefill_steps": cap}, **kw
+        )
+        assert capped == free  # the same tokens, in steps of other shapes
+        assert sched.retractions == 0
+        if cap == 1:
+            capped_trace = trace
+    # prefill first: the burst's 24 chunks stall the decoders for many steps in a row
+    assert max(decoder_gaps(free_trace, "r0")) >= 8
+    # capped at 1: never more than one prefill step between two of their decode steps
+    for rid in ("r0", "r1"):
+        gaps = decoder_gaps(capped_trace, rid)
+        assert gaps and max(gaps) <= 1, gaps
+    # and the burst still gets its prefill steps (no starvation): every other step at most
+    assert len(capped_trace) <= 2 * len(free_trace)
+
+
+@OVERLAP
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_cap_cache_on_equals_off(overlap, page_size):
+    prompts = shared_prefix_prompts(seed=4)
+    arrivals = [i // 3 * 2 for i in range(len(prompts))]
+    kw = dict(page_size=page_size, arrivals=arrivals, max_new=24)
+    off, _, _ = run_workload(prompts, disable=True, **kw)
+    cap = {"max_consecutive_prefill_steps": 1}
+    on, _, sched = run_workload(prompts, overlap=overlap, extra_args=cap, **kw)
+    assert on == off
+    assert sched.cache_stats().cached_tokens > 0
+
+
+def test_prefill_cap_flag():
+    import argparse
+
+    from radix_runtime.config import add_server_args, args_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert args_from_namespace(parser.parse_args([])).max_consecutive_prefill_steps == 0
+    ns = parser.parse_args(["--max-consecutive-prefill-steps", "2"])
+    assert args_from_namespace(ns).max_consecutive_prefill_steps == 2
+    with pytest.raises(ValueError, match="max-consecutive-prefill-steps"):
+        args_from_namespace(parser.parse_args(["--max-consecutive-prefill-steps", "-1"]))

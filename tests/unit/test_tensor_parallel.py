@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_support import save_hf, tiny_hf_model
 from tp_support import run_ranks, run_steps, runner_args
 
 from radix_runtime import messages as m
@@ -23,20 +24,9 @@ from radix_runtime.worker.model_config import UnsupportedModel, load_hf_config
 
 
 def _hf_llama(folder, num_kv_heads: int, bias: bool) -> str:
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16,
-        max_position_embeddings=256, attention_bias=bias, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(num_kv_heads)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # biases and norms that matter (HF initialises them to 0 and 1)
-        for name, p in model.named_parameters():
-            p.add_(0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.08)
-    model.save_pretrained(folder, safe_serialization=True)
-    return str(folder)
+    model = tiny_hf_model(seed=num_kv_heads, num_hidden_layers=2, num_key_value_heads=num_kv_heads,
+                          head_dim=16, attention_bias=bias, tie_word_embeddings=False)  # fmt: skip
+    return save_hf(model, folder)
 
 
 @pytest.fixture(scope="module")

@@ -453,3 +453,22 @@ def test_sigint_exits_at_once_without_draining(tmp_path):
             await asyncio.wait_for(serving, TIMEOUT)
 
     run(main())
+
+
+def test_a_receive_loop_that_fails_is_fatal_not_a_hang(tmp_path):
+    async def main():
+        async with started(tmp_path) as (manager, sched):
+            task = asyncio.create_task(collect(manager.generate(inp())))
+            await sched.recv_kind(m.GenerateReq)
+
+            def broken(*args):  # a bug in what the loop does with a frame
+                raise RuntimeError("bug")
+
+            manager.metrics.on_tokens = broken
+            await sched.out("r1", "a")
+            with pytest.raises(GenerationError) as info:
+                await asyncio.wait_for(task, TIMEOUT)
+            assert info.value.status == 503 and "receive loop" in info.value.message
+            assert manager.serving_error().code == "unhealthy"
+
+    run(main())
