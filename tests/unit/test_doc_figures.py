@@ -44,10 +44,11 @@ def test_rounding_follows_the_precision_written():
     def fig(quoted: str) -> Figure:
         return Figure("t", 1, quoted, "h200_gpu_worker.json", "decode_bs1_roofline_fraction", 1.0)
 
-    assert check(fig("0.859"))[1] is None  # 0.85918...
-    assert check(fig("0.86"))[1] is None
-    assert check(fig("0.858"))[1] is not None
-    assert check(fig("0.8"))[1] is not None  # 0.859 does not round to 0.8
+    value = lookup(doc_figures.load_result("h200_gpu_worker.json"), "decode_bs1_roofline_fraction")
+    assert check(fig(f"{value:.3f}"))[1] is None
+    assert check(fig(f"{value:.2f}"))[1] is None
+    assert check(fig(f"{value + 0.001:.3f}"))[1] is not None
+    assert check(fig(f"{value + 0.2:.1f}"))[1] is not None  # one decimal, 0.15+ off
 
 
 def test_the_number_checked_is_the_last_one_before_its_marker():
