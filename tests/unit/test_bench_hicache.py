@@ -56,3 +56,32 @@ def test_tier_ratios():
     assert row["host_hit_rate"] == 0.3
     assert abs(row["load_throughput_over_copy_bandwidth"] - 3e10 / 4e10) < 1e-9
     assert out["pinned_h2d_bandwidth"] is None  # no host-tier runs asked: not measured
+
+
+def test_host_copy_bench_writes_its_ratios(tmp_path):
+    import json
+
+    from bench import host_copy
+
+    out = tmp_path / "host_copy.json"
+    argv = ["--device", "cpu", "--pages", "8", "--layers", "2", "--kv-heads", "1",
+            "--head-dim", "8", "--run-lengths", "1,4", "--repeats", "1", "--out", str(out)]  # fmt: skip
+    assert host_copy.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["provenance"]["ceiling"].startswith("a plain contiguous copy")
+    assert data["config"]["batch_bytes"] == 8 * data["config"]["page_bytes"]
+    assert set(data["results"]) == {"run_1", "run_4"}
+    assert data["results"]["run_4"]["runs"] == 2
+    for row in data["results"].values():
+        for k in ("load", "write", "previous_load", "previous_write"):
+            assert row[f"{k}_over_copy"] > 0
+
+
+def test_host_ids_are_distinct_runs():
+    import numpy as np
+
+    from bench.host_copy import host_ids
+
+    ids = host_ids(10, 4, 41, np.random.default_rng(0))
+    assert len(ids) == len(set(ids.tolist())) == 10 and ids.min() >= 1 and ids.max() <= 40
+    assert sum(np.diff(ids) == 1) >= 6  # runs of 4, 4 and 2 consecutive pages
