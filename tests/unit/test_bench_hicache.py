@@ -44,6 +44,8 @@ def test_tier_ratios():
                 "host_written_bytes": 1e9,
                 "host_load_s": 0.1,
                 "host_load_bandwidth": 4e10,
+                "host_load_runs": 1000,
+                "host_write_runs": 0,
             },
         ),  # fmt: skip
         "unrestricted": sec(0.8, 0.1, 100),
@@ -55,6 +57,7 @@ def test_tier_ratios():
     assert abs(row["output_tok_s_over_unrestricted"] - 0.95) < 1e-9
     assert row["host_hit_rate"] == 0.3
     assert abs(row["load_throughput_over_copy_bandwidth"] - 3e10 / 4e10) < 1e-9
+    assert row["load_bytes_per_run"] == 3e6 and "write_bytes_per_run" not in row
     assert out["pinned_h2d_bandwidth"] is None  # no host-tier runs asked: not measured
 
 
