@@ -12,7 +12,8 @@ PHASES: tuple[tuple[str, re.Pattern], ...] = tuple(
     for phase, pattern in (
         ("kv_store", r"store_kv|index_put|scatter|append_paged_kv|appendpagedkv"),
         ("attention", r"decode_split|decode_merge|batchdecode|batchprefill|mergestate|attention"
-         r"|flash_?attn|flash_fwd|fmha|paged_kv|single_decode|single_prefill"),
+         r"|flash_?attn|flash_fwd|fmha|paged_kv|single_decode|single_prefill"
+         r"|prefillwith|decodewith"),  # FA3's PrefillWithKVCacheKernel ("fill": not a copy)
         ("rope", r"rotary|rope"),
         ("sampling", r"argmax|softmax|topk|top_k|top_p|sort|multinomial|sampling|exponential"
          r"|log_softmax|penalt|gumbel"),

@@ -527,6 +527,9 @@ def tier_ratios(sections: dict, opts: argparse.Namespace) -> dict:
             row["load_throughput"] = throughput
             ceiling = pinned or cache.get("host_load_bandwidth")
             row["load_throughput_over_copy_bandwidth"] = common.ratio(throughput, ceiling)
+        for kind, moved in (("load", "host_loaded_bytes"), ("write", "host_written_bytes")):
+            if cache.get(f"host_{kind}_runs"):  # the worker's mean copy: one per run of pages
+                row[f"{kind}_bytes_per_run"] = cache[moved] / cache[f"host_{kind}_runs"]
         out[label] = row
     return out
 

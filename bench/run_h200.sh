@@ -23,6 +23,10 @@
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
 #              at batch 64 per --grammar-fill-threads value -> $OUT/h200_grammar_host.json
+#   host_copy  bench/host_copy.py: the host KV tier's loads / writes of 4,096 pages of the 8B
+#              shape against the pinned copy, runs of 1, 16, 256 pages -> $OUT/h200_host_copy.json
+#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload (write_through,
+#              four servers) -> $OUT/h200_hicache_multi_turn_page_major.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -137,6 +141,17 @@ for stage in "${stages[@]}"; do
         grammar_host)
             timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,2,4,8 \
                 --out "$OUT/h200_grammar_host.json" || status=1 ;;
+        host_copy)
+            timeout 300 python3 bench/host_copy.py --pages 4096 \
+                --out "$OUT/h200_host_copy.json" || status=1 ;;
+        hicache)
+            timeout 590 python3 bench/multi_turn_chat.py --model llama-3.1-8b --clients 48 \
+                --rounds 4 --system-tokens 1024 --context-tokens 1024 --user-tokens 128 \
+                --answer-tokens 128 --max-inflight 6 \
+                --server-args "--load-format dummy --max-total-tokens 22000" \
+                --compare-no-cache --hicache-policies write_through \
+                --hicache-args "--hicache-ratio 6" --unrestricted-tokens 400000 \
+                --out "$OUT/h200_hicache_multi_turn_page_major.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;

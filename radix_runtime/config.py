@@ -234,9 +234,12 @@ AUTO_MIN_RUNNING = 256
 AUTO_MAX_RUNNING = 1024
 
 
-def auto_max_running_requests(pool_tokens: int) -> int:
-    """The default of --max-running-requests for a KV pool of `pool_tokens` tokens."""
-    return min(AUTO_MAX_RUNNING, max(AUTO_MIN_RUNNING, pool_tokens // AUTO_TOKENS_PER_REQUEST))
+def auto_max_running_requests(pool_tokens: int, graph_max_bs: int | None = None) -> int:
+    """The default of --max-running-requests for a KV pool of `pool_tokens` tokens; with CUDA
+    graphs, no more than the largest graphed decode batch (`graph_max_bs`): a larger batch runs
+    eagerly, which cost more than the extra requests gained on the H200 (docs/serving_roofline.md)."""
+    slots = min(AUTO_MAX_RUNNING, max(AUTO_MIN_RUNNING, pool_tokens // AUTO_TOKENS_PER_REQUEST))
+    return slots if graph_max_bs is None else min(slots, graph_max_bs)
 
 
 def _flag(name: str) -> str:
@@ -255,7 +258,7 @@ _HELP = {
     "schedule_policy": "lpm (longest prefix match), dfs-weight, or fcfs",
     "disable_radix_cache": "same code path, but nothing is reused across requests",
     "max_running_requests": "requests running at once (default: sized from the KV pool, one "
-    "per 512 tokens of it, 256 to 1024; how many of them memory holds is admission's call: "
+    "per 512 tokens of it, 256 to 1024, at most --cuda-graph-max-bs with CUDA graphs; how many of them memory holds is admission's call: "
     "--schedule-conservativeness)",
     "schedule_conservativeness": "admit a request only when the KV pool keeps room for the "
     "running requests' expected output: their remaining max_new_tokens (up to 4096) times this "

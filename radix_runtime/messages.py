@@ -167,6 +167,10 @@ class CacheStats(msgspec.Struct, frozen=True):
     host_load_s: float = 0.0
     host_recomputed_tokens: int = 0  # host hits recomputed (the load did not pay, or no room)
     host_load_bandwidth: float = 0.0  # bytes/s of a host -> device copy, measured at start
+    # runs of consecutive host pages among the loads / writes: the worker copies each as one
+    # block (bytes loaded / host_load_runs = the mean copy)
+    host_load_runs: int = 0
+    host_write_runs: int = 0
 
 
 class GrammarStats(msgspec.Struct, frozen=True):

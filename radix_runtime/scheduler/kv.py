@@ -249,15 +249,18 @@ class KvBook:
         if copies.writes:
             src = np.concatenate([c.src for c in copies.writes])
             batch.write_src = pack_ids(src)
-            batch.write_dst = pack_ids(np.concatenate([c.dst for c in copies.writes]))
+            dst = np.concatenate([c.dst for c in copies.writes])
+            batch.write_dst = pack_ids(dst)
             batch.writes_block = copies.writes_block
             totals.host_written_bytes += len(src) * page_bytes
+            totals.host_write_runs += host_page_runs(dst)
         if copies.loads:
             src = np.concatenate([c.src for c in copies.loads])
             batch.load_src = pack_ids(src)
             batch.load_dst = pack_ids(np.concatenate([c.dst for c in copies.loads]))
             totals.host_loads += len(copies.loads)
             totals.host_loaded_bytes += len(src) * page_bytes
+            totals.host_load_runs += host_page_runs(src)
 
     def load_pays(self, tokens: int) -> bool:
         """Whether loading `tokens` tokens from the host is faster than computing them."""
@@ -333,6 +336,8 @@ class KvBook:
             host_load_s=c.host_load_s,
             host_recomputed_tokens=c.host_recomputed_tokens,
             host_load_bandwidth=self.load_bandwidth,
+            host_load_runs=c.host_load_runs,
+            host_write_runs=c.host_write_runs,
         )
 
     def check_integrity(self, running: list[Req]) -> None:
@@ -342,3 +347,11 @@ class KvBook:
         self.cache.check_integrity(expect_unlocked=not running, held_pages=held)
         assert len(self.free_slots) + len(running) == self.max_running, "slot leak"
         self.counters.integrity_checks += 1
+
+
+def host_page_runs(host_pages: np.ndarray) -> int:
+    """Runs of consecutive ids among a batch's host pages, in any order: the copies the worker
+    makes for them (worker/host_pool.py sorts a batch by host page)."""
+    if len(host_pages) == 0:
+        return 0
+    return 1 + int(np.count_nonzero(np.diff(np.sort(host_pages)) != 1))

@@ -60,6 +60,8 @@ class Counters:
     host_loaded_bytes: int = 0
     host_written_bytes: int = 0
     host_load_s: float = 0.0
+    host_load_runs: int = 0  # runs of consecutive host pages loaded: the worker's copies
+    host_write_runs: int = 0
 
 
 class SchedulerStats:

@@ -1,25 +1,37 @@
 """The host tier's KV pages (docs/hicache.md): a second pool in host memory, and the copies
 between it and the device pool that the scheduler asks for.
 
-The pool is one tensor [num_layers, 2 (K, V), num_pages, page_size, kv_heads, head_dim],
-allocated once at start (pinned on CUDA) and sized by --hicache-size or --hicache-ratio against
-the memory the machine has free. Page 0 is reserved, as in the device pool.
+The pool is one tensor [num_pages, num_layers, 2 (K, V), page_size, kv_heads, head_dim], page
+major: a host page is one contiguous block (every layer's K and V of its tokens), so a run of
+consecutive host pages is one contiguous range. It is allocated once at start (pinned on CUDA)
+and sized by --hicache-size or --hicache-ratio against the memory the machine has free. Page 0
+is reserved, as in the device pool. On CUDA a staging buffer of whole pages
+[chunk_pages, num_layers, 2, page_size, kv_heads, head_dim] (STAGING_BYTES at most) lives on
+the device, allocated once: a batch's copies go through it chunk by chunk.
 
 The worker only copies what it is told (`ForwardBatch.write_*`, `load_*`), before the step's
-model runs. On CUDA every copy runs on a side stream:
+model runs. A batch's pairs are sorted by host page id, so each run of consecutive host pages
+moves as one block. On CUDA every copy runs on ONE side stream, so copies run in the order they
+were queued and no host thread ever waits for one:
 - a write (device -> host) first waits for the compute stream (the KV it reads was computed by
-  an earlier step), gathers the pages on the device and copies them into pinned memory with one
-  async copy; the scatter into the pool happens on the host once the copy's event has completed
-  (`_drain_writes`). The step waits for the writes when `writes_block` says it reuses their
-  device pages, and every step waits for the previous batch's writes (a write-through copy
-  whose node a later batch evicts).
-- a load (host -> device) gathers the pages on the host into pinned memory (after the pending
-  writes have landed), copies them with one async copy on the side stream after the compute
-  stream's earlier work (a page it fills may have been freed while the step before still ran),
-  scatters them into the device pool there, and the step waits for the load's event. So the
-  load is ordered before the step that reads it, and overlaps the host's preparation of that
-  step and the device's end of the previous one.
-Off CUDA (the CPU worker, and CI) the same copies are plain index copies.
+  an earlier step), gathers the pages on the device into the staging buffer (page major) and
+  copies each run of consecutive host pages straight into the pinned pool with one async copy.
+  The step waits for the writes when `writes_block` says it reuses their device pages, and
+  every step waits for the previous batch's writes (a write-through copy whose node a later
+  batch evicts).
+- a load (host -> device) copies each run of consecutive host pages from the pinned pool into
+  the staging buffer with one async copy, and scatters the staging buffer into the device pool
+  there; it too first waits for the compute stream's earlier work (a page it fills may have
+  been freed while the step before still ran), and the step waits for the load's event. So a
+  load is ordered before the step that reads it, and after every write queued before it (the
+  same stream): a page loaded includes the writes queued before, with no host wait.
+- the staging buffer is reused chunk after chunk and batch after batch in the stream's order;
+  nothing else touches it.
+Off CUDA (the CPU worker, and CI) both pools are host tensors and there is no staging buffer:
+per layer, K or V, one numpy fancy-index copy moves the batch's rows (a load: the host pages'
+rows of that layer into the device pool; a write: the reverse). numpy copies each row with one
+memcpy, where torch's CPU index kernels measured 2 to 10x slower on these 2 KiB rows
+(bench/host_copy.py).
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # the host tier may take at most this fraction of the machine's available memory
 HOST_POOL_MAX_FRACTION = 0.8
+# the staging buffer a batch's copies go through, chunk by chunk (at most the device pool)
+STAGING_BYTES = 128 << 20
 
 
 def host_pool_pages(device_pool: KVPool, size_gb: float, ratio: float, bytes_per_token: int) -> int:
@@ -78,25 +92,51 @@ def last_per_destination(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, 
     return src[keep], dst[keep]
 
 
+def consecutive_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the runs of consecutive ids (each one more than the one before) start in `ids`,
+    and how long they are."""
+    if len(ids) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], starts))
+    return starts, np.diff(np.concatenate((starts, [len(ids)])))
+
+
 class HostKVPool:
-    def __init__(self, device_pool: KVPool, num_pages: int) -> None:
+    def __init__(
+        self, device_pool: KVPool, num_pages: int, staging_bytes: int = STAGING_BYTES
+    ) -> None:
         self.dev = device_pool
         self.num_pages = num_pages
         self.cuda = device_pool.device.type == "cuda"
-        shape = (
-            device_pool.num_layers,
-            2,
-            num_pages,
-            device_pool.page_size,
-            device_pool.kv_heads,
-            device_pool.head_dim,
-        )
-        self.buffer = torch.empty(shape, dtype=device_pool.dtype, pin_memory=self.cuda)
-        self.stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
-        # (event, pinned copy of the pages, host page ids): device -> host copies whose scatter
-        # into the pool waits for their event, in order
-        self._pending_writes: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
+        d = device_pool
+        page = (d.num_layers, 2, d.page_size, d.kv_heads, d.head_dim)
+        self.buffer = torch.empty((num_pages, *page), dtype=d.dtype, pin_memory=self.cuda)
+        self.page_bytes = self.buffer[0].numel() * self.buffer.element_size()
+        # the staging buffer (CUDA): whole pages on the device, used by the side stream only
+        self.chunk_pages = max(1, min(staging_bytes // self.page_bytes, d.num_pages))
+        self.stream = self.staging = None
+        if self.cuda:
+            self.stream = torch.cuda.Stream(d.device)
+            with torch.cuda.stream(self.stream):
+                self.staging = torch.empty(
+                    (self.chunk_pages, *page), dtype=d.dtype, device=d.device
+                )
         self._last_write_event: torch.cuda.Event | None = None
+        # the copies move bytes: integer views of the same element size (index_copy_ has no
+        # FP8 kernels)
+        self._k = [_as_bits(b) for b in d.k_buffers]
+        self._v = [_as_bits(b) for b in d.v_buffers]
+        self._buffer = _as_bits(self.buffer)
+        self._staging = _as_bits(self.staging) if self.cuda else None
+        if not self.cuda:  # numpy views of both pools: its fancy indexing copies whole rows
+            flat = (num_pages, 2 * d.num_layers, *page[2:])
+            self._np_pool = self._buffer.numpy().reshape(flat)
+            self._np_slots = [
+                b.numpy() for i in range(d.num_layers) for b in (self._k[i], self._v[i])
+            ]
+        # runs of consecutive host pages copied, and the pages in them (docs/hicache.md)
+        self.load_runs = self.load_pages = self.write_runs = self.write_pages = 0
 
     @property
     def nbytes(self) -> int:
@@ -113,11 +153,16 @@ class HostKVPool:
         writes_block: bool,
     ):
         """A batch's copies, before its model runs: writes, then loads (called for every step,
-        copies or not). Returns what `load_time` reads (CUDA: the load's timing events and its
-        host gather's seconds; CPU: its seconds)."""
+        copies or not). Returns what `load_time` reads (CUDA: the load's timing events; CPU:
+        its seconds)."""
         self._check(write_src, write_dst, load_src, load_dst)
         write_src, write_dst = last_per_destination(write_src, write_dst)
         load_src, load_dst = last_per_destination(load_src, load_dst)
+        # by host page id: a run of consecutive host pages is one contiguous block
+        order = np.argsort(write_dst, kind="stable")
+        write_src, write_dst = write_src[order], write_dst[order]
+        order = np.argsort(load_src, kind="stable")
+        load_src, load_dst = load_src[order], load_dst[order]
         if not self.cuda:
             if len(write_src):
                 self._write_sync(write_src, write_dst)
@@ -126,7 +171,6 @@ class HostKVPool:
                 self._load_sync(load_src, load_dst)
             return time.perf_counter() - t0
         compute = torch.cuda.current_stream(self.dev.device)
-        self._drain_writes(wait=False)
         if self._last_write_event is not None:
             compute.wait_event(self._last_write_event)  # the previous batch's writes
             self._last_write_event = None
@@ -141,14 +185,16 @@ class HostKVPool:
 
     @staticmethod
     def load_time(handle) -> float:
-        """Seconds the loads of a batch took (call after its step completed)."""
+        """Seconds the loads of a batch took (call after its step completed): on CUDA the side
+        stream's time from the load's start to its end (copies and scatter; a stream starved
+        by the host issuing the copies counts the gaps too)."""
         if handle is None:
             return 0.0
         if isinstance(handle, float):
             return handle
-        start, end, gather_s = handle
+        start, end = handle
         end.synchronize()
-        return gather_s + start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3
 
     def _check(self, *arrays: np.ndarray) -> None:
         ws, wd, ls, ld = arrays
@@ -161,82 +207,109 @@ class HostKVPool:
             if len(host_ids) and (host_ids.min() < 1 or host_ids.max() >= self.num_pages):
                 raise ValueError(f"host page ids outside [1, {self.num_pages})")
 
-    def _gather_device(self, idx: torch.Tensor) -> torch.Tensor:
-        dev = self.dev
-        return torch.stack(
-            [
-                torch.stack([dev.k_buffers[i][idx], dev.v_buffers[i][idx]])
-                for i in range(dev.num_layers)
-            ]
-        )
+    def _chunks(self, n: int):
+        for a in range(0, n, self.chunk_pages):
+            yield a, min(a + self.chunk_pages, n)
+
+    def _gather_device(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Device pages `idx` -> `out` [len(idx), layers, 2, ...] (page major): one stack kernel
+        over the layers' gathers (GPU work is cheap)."""
+        parts = [b[idx] for i in range(self.dev.num_layers) for b in (self._k[i], self._v[i])]
+        torch.stack(parts, dim=1, out=out.view(len(idx), 2 * self.dev.num_layers, *out.shape[3:]))
 
     def _scatter_device(self, idx: torch.Tensor, pages: torch.Tensor) -> None:
+        """`pages` [len(idx), layers, 2, ...] -> device pages `idx`."""
         dev = self.dev
         for i in range(dev.num_layers):
-            dev.k_buffers[i][idx] = pages[i, 0]
-            dev.v_buffers[i][idx] = pages[i, 1]
+            self._k[i].index_copy_(0, idx, pages[:, i, 0])
+            self._v[i].index_copy_(0, idx, pages[:, i, 1])
+
+    def _count(self, ids: np.ndarray, load: bool) -> tuple[np.ndarray, np.ndarray]:
+        starts, lengths = consecutive_runs(ids)
+        if load:
+            self.load_runs += len(starts)
+            self.load_pages += len(ids)
+        else:
+            self.write_runs += len(starts)
+            self.write_pages += len(ids)
+        return starts, lengths
 
     # -- CPU -----------------------------------------------------------------------------------
 
     def _write_sync(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self.buffer[:, :, torch.from_numpy(dst.astype(np.int64))] = self._gather_device(
-            torch.from_numpy(src.astype(np.int64))
-        )
+        self._count(dst, load=False)
+        pool = self._np_pool
+        for i, slot in enumerate(self._np_slots):  # each layer's K or V: one gather
+            pool[dst, i] = slot[src]
 
     def _load_sync(self, src: np.ndarray, dst: np.ndarray) -> None:
-        pages = self.buffer[:, :, torch.from_numpy(src.astype(np.int64))]
-        self._scatter_device(torch.from_numpy(dst.astype(np.int64)), pages)
+        self._count(src, load=True)
+        pool = self._np_pool
+        for i, slot in enumerate(self._np_slots):
+            slot[dst] = pool[src, i]
 
     # -- CUDA ----------------------------------------------------------------------------------
 
     def _write_async(self, src: np.ndarray, dst: np.ndarray, compute) -> torch.cuda.Event:
+        starts, lengths = self._count(dst, load=False)
         src_t = torch.from_numpy(src.astype(np.int64)).pin_memory()
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(compute)
             idx = src_t.to(self.dev.device, non_blocking=True)
-            gathered = self._gather_device(idx)
-            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-            host.copy_(gathered, non_blocking=True)
+            for a, b in self._chunks(len(src)):
+                self._gather_device(idx[a:b], self._staging[: b - a])
+                self._copy_runs(dst, starts, lengths, a, b, load=False)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self._pending_writes.append((event, host, torch.from_numpy(dst.astype(np.int64))))
         return event
 
-    def _drain_writes(self, wait: bool) -> None:
-        """Scatter the completed device -> host copies into the pool, oldest first (all of them
-        with `wait`)."""
-        while self._pending_writes:
-            event, host, dst = self._pending_writes[0]
-            if wait:
-                event.synchronize()
-            elif not event.query():
-                return
-            self.buffer[:, :, dst] = host
-            self._pending_writes.pop(0)
+    def _copy_runs(self, host_ids, starts, lengths, a: int, b: int, load: bool) -> None:
+        """Chunk [a, b) of a batch sorted by host page: each run of consecutive host pages is
+        one copy between the pool and the staging rows [0, b - a) (a load: pool -> staging)."""
+        for j, r in _runs_in(starts, lengths, a, b):
+            s = int(host_ids[j])
+            pool, staged = self._buffer[s : s + r], self._staging[j - a : j - a + r]
+            if load:
+                staged.copy_(pool, non_blocking=True)
+            else:
+                pool.copy_(staged, non_blocking=True)
 
     def _load_async(self, src: np.ndarray, dst: np.ndarray, compute):
-        t0 = time.perf_counter()
-        self._drain_writes(wait=True)  # a page loaded may have been written just now
-        b = self.buffer
-        staged = torch.empty((*b.shape[:2], len(src), *b.shape[3:]), dtype=b.dtype, pin_memory=True)
-        torch.index_select(b, 2, torch.from_numpy(src.astype(np.int64)), out=staged)
-        gather_s = time.perf_counter() - t0  # counted in the load's time: the host's share
+        starts, lengths = self._count(src, load=True)
         dst_t = torch.from_numpy(dst.astype(np.int64)).pin_memory()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(compute)
             start.record(self.stream)
-            pages = staged.to(self.dev.device, non_blocking=True)
-            self._scatter_device(dst_t.to(self.dev.device, non_blocking=True), pages)
+            idx = dst_t.to(self.dev.device, non_blocking=True)
+            for a, b in self._chunks(len(src)):
+                self._copy_runs(src, starts, lengths, a, b, load=True)
+                self._scatter_device(idx[a:b], self._staging[: b - a])
             end.record(self.stream)
         compute.wait_event(end)
-        return start, end, gather_s
+        return start, end
 
     def synchronize(self) -> None:
-        """Every queued copy done and scattered (tests, shutdown)."""
+        """Every queued copy done (tests, shutdown)."""
         if self.cuda:
             self.stream.synchronize()
-        self._drain_writes(wait=True)
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the same width."""
+    return t.view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
+
+
+def _runs_in(starts: np.ndarray, lengths: np.ndarray, a: int, b: int):
+    """The runs (start index, length) clipped to the chunk [a, b) of the sorted ids."""
+    first = max(int(np.searchsorted(starts, a, side="right")) - 1, 0)
+    for j, r in zip(starts[first:].tolist(), lengths[first:].tolist()):
+        if j >= b:
+            return
+        lo, hi = max(j, a), min(j + r, b)
+        yield lo, hi - lo
 
 
 def measure_load_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:

@@ -158,9 +158,12 @@ class ModelRunner:
         )
         self.attn.bind_pool(self.kv_pool)
         self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
-        # request slots: --max-running-requests, else sized from the pool (the scheduler is told)
+        # request slots: --max-running-requests, else sized from the pool and, when decode steps
+        # are graphed, the largest graph (the scheduler is told)
+        graphed = self.attn.supports_cuda_graph and not args.disable_cuda_graph
         self.max_running = args.max_running_requests or auto_max_running_requests(
-            (self.kv_pool.num_pages - 1) * self.page_size
+            (self.kv_pool.num_pages - 1) * self.page_size,
+            args.cuda_graph_max_bs if graphed else None,
         )
         # req_to_page[slot, i]: the page holding positions [i * page_size, (i + 1) * page_size)
         self.req_to_page = np.zeros((self.max_running, self.max_pages_per_slot), np.int32)

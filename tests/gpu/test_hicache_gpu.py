@@ -70,8 +70,73 @@ def test_a_host_page_written_twice_in_a_batch_holds_the_later_write():
               np.zeros(0, np.int32), np.zeros(0, np.int32), True)  # fmt: skip
     host.synchronize()
     for i in range(dev.num_layers):
-        assert torch.equal(host.buffer[i, 0, 2], dev.k_buffers[i][8].cpu())
-        assert torch.equal(host.buffer[i, 0, 5], dev.k_buffers[i][7].cpu())
+        assert torch.equal(host.buffer[2, i, 0], dev.k_buffers[i][8].cpu())
+        assert torch.equal(host.buffer[5, i, 0], dev.k_buffers[i][7].cpu())
+
+
+def test_a_load_reads_the_writes_queued_before_it_without_a_host_wait():
+    """Batch 1 writes device pages to host pages 10..13; batch 2, queued at once (no
+    synchronize), loads them back: the load runs after the writes on the one side stream. The
+    staging buffer holds 3 pages, so runs cross chunk edges."""
+    dev, _ = _pools()
+    per_page = KVPool.bytes_per_token(4, 2, 64, torch.bfloat16) * dev.page_size
+    host = HostKVPool(dev, 128, staging_bytes=3 * per_page)
+    assert host.chunk_pages == 3 and host.staging.is_cuda
+    src = np.array([3, 4, 5, 6, 9], np.int32)
+    want = [b[torch.from_numpy(src).long().cuda()].clone() for b in dev.k_buffers + dev.v_buffers]
+    none = np.zeros(0, np.int32)
+    host.copy(src, np.array([13, 12, 11, 10, 40], np.int32), none, none, False)
+    host.copy(none, none, np.array([10, 11, 12, 13, 40], np.int32),
+              np.array([50, 51, 52, 53, 54], np.int32), False)  # fmt: skip
+    torch.cuda.synchronize()
+    order = torch.tensor([53, 52, 51, 50, 54], device="cuda")  # host 13 <- device 3, ...
+    for b, w in zip(dev.k_buffers + dev.v_buffers, want):
+        assert torch.equal(b[order], w)
+    assert (host.write_runs, host.load_runs) == (2, 2)
+
+
+def test_copies_on_cuda_equal_the_cpu_path():
+    """The same random batches through a CUDA pool and a CPU pool: same host pages, same
+    device pages (a staging buffer of 5 pages: several chunks per batch)."""
+    rng = np.random.default_rng(0)
+    cuda_dev, _ = _pools(page_size=4)
+    cpu_dev = KVPool(4, 64, 4, 2, 64, torch.bfloat16, torch.device("cpu"))
+    per_page = KVPool.bytes_per_token(4, 2, 64, torch.bfloat16) * 4
+    pools = [HostKVPool(d, 96, staging_bytes=5 * per_page) for d in (cuda_dev, cpu_dev)]
+    for p in pools:
+        p.buffer.zero_()  # loads may read host pages never written
+    for step in range(6):
+        for a, b in zip(
+            cuda_dev.k_buffers + cuda_dev.v_buffers, cpu_dev.k_buffers + cpu_dev.v_buffers
+        ):
+            b.copy_(a.cpu())
+        ws = rng.choice(np.arange(1, 64), 20, replace=False).astype(np.int32)
+        wd = rng.integers(1, 96, 20).astype(np.int32)
+        ls = rng.choice(np.arange(1, 96), 12, replace=False).astype(np.int32)
+        ld = rng.choice(np.arange(1, 64), 12, replace=False).astype(np.int32)
+        for p in pools:
+            p.copy(ws, wd, ls, ld, bool(step % 2))
+        torch.cuda.synchronize()
+        assert torch.equal(pools[0].buffer, pools[1].buffer)
+        for a, b in zip(
+            cuda_dev.k_buffers + cuda_dev.v_buffers, cpu_dev.k_buffers + cpu_dev.v_buffers
+        ):
+            assert torch.equal(a.cpu(), b)
+        for buf in cuda_dev.k_buffers + cuda_dev.v_buffers:
+            buf.normal_()
+
+
+def test_fp8_pages_round_trip():
+    dev = KVPool(2, 32, 1, 2, 64, torch.float8_e4m3fn, torch.device("cuda"))
+    for buf in dev.k_buffers + dev.v_buffers:
+        buf.copy_(torch.randn(buf.shape, device="cuda").to(torch.float8_e4m3fn))
+    host = HostKVPool(dev, 32)
+    none = np.zeros(0, np.int32)
+    host.copy(np.array([1, 2, 3], np.int32), np.array([5, 6, 7], np.int32), none, none, False)
+    host.copy(none, none, np.array([5, 6, 7], np.int32), np.array([10, 11, 12], np.int32), False)
+    torch.cuda.synchronize()
+    for b in dev.k_buffers + dev.v_buffers:
+        assert torch.equal(b[10:13].view(torch.uint8), b[1:4].view(torch.uint8))
 
 
 def test_pinned_bandwidth_is_measured():

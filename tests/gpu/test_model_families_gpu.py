@@ -110,6 +110,12 @@ def test_graph_capture_at_real_shapes(name, tmp_path):
     # a windowed model's prefill steps run eagerly (FA2's graphed prefill fails on the H200)
     assert (graphs.extend_graphs is None) == bool(cfg.get("sliding_window"))
     copy_weights(eager, graphs)
+    # Graphed FlashInfer decode splits the KV (fixed-shape plans) where the eager plan may not, so
+    # the two differ by bf16 rounding. With Qwen3's q/k norms and dummy weights that rounding is
+    # ~2e-2 of the logits for BOTH paths: measured on the H200 against a float32 torch-attention
+    # run of the same weights at batch 12, graphed 0.0209 and eager 0.0205 (graph vs eager
+    # 0.0204). The bound is that noise floor, not a looser check of one path.
+    tol = 3e-2 if name == "qwen3-8b" else 1e-2
     d = Driver([graphs, eager])
     seqs = [Seq(slot=i) for i in range(12)]
     tokens = []
@@ -121,8 +127,8 @@ def test_graph_capture_at_real_shapes(name, tmp_path):
             [d.req(seqs[i], [tokens[i]], prompt_logprobs=False) for i in batch]
         )
         for j, i in enumerate(batch):
-            assert rel_err(g_logits[j], e_logits[j]) < 1e-2
+            assert rel_err(g_logits[j], e_logits[j]) < tol
             tokens[i] = e_res[j].next_id
     # a short prefill chunk after a long cached context: the prefill (extend) graphs
     (g, gl), (e, el) = d.step([d.req(seqs[0], random_ids(16, 99, 4096), prompt_logprobs=False)])
-    assert rel_err(gl[0], el[0]) < 1e-2
+    assert rel_err(gl[0], el[0]) < tol

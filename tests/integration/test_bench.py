@@ -78,12 +78,15 @@ def check_section(sec: dict, requests: int, rounds: int | None = None) -> None:
 
 
 def test_multi_turn_chat_cache_on_and_off(tmp_path):
-    """Launch mode: a server with the cache, then one with --disable-radix-cache, same trace."""
+    """Launch mode: a server with the cache, then one with --disable-radix-cache, same trace
+    (token ids: the tiny model with dummy weights serves them at a fraction of the cost)."""
     out, png = tmp_path / "mt.json", tmp_path / "mt.png"
     stdout = run_script(
         "multi_turn_chat.py",
         "--compare-no-cache",
-        "--server-args", "--max-total-tokens 16384 --page-size 4",
+        "--model", "tiny-llama",
+        "--server-args", "--load-format dummy --model-config tiny-llama --max-total-tokens 16384 "
+                         "--page-size 4",
         "--clients", "3",
         "--rounds", "2",
         "--system-tokens", "64",

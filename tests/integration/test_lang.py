@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
 import radix_runtime as rr
 from radix_runtime.lang.backend import Backend, GenResult, RoleMarkers, SelectResult
+from radix_runtime.model_source import dummy_config_path
 from radix_runtime.tokenizer.chat_template import render_chat
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -292,8 +295,13 @@ def test_example_runs(default_server):
 
 
 @pytest.mark.slow
-def test_runtime_starts_and_stops_cleanly():
-    with rr.Runtime(max_total_tokens=4096) as runtime:
+def test_runtime_starts_and_stops_cleanly(tmp_path):
+    # any model shows the process family start and stop: tiny-llama's shape with dummy weights
+    # (a fraction of the default model's start-up), reading the default model's vocabulary
+    config = json.loads(Path(dummy_config_path("tiny-llama")).read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 49152}))
+    tiny = dict(model=str(tmp_path / "config.json"), load_format="dummy", tokenizer="default")
+    with rr.Runtime(**tiny, max_total_tokens=4096) as runtime:
         server = psutil.Process(runtime.process.pid)
         family = [server, *server.children(recursive=True)]
         assert len(family) >= 3  # the HTTP front, the scheduler, the worker

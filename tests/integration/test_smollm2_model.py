@@ -7,6 +7,7 @@ again. Decode speed against HF `generate` is a benchmark, not a test: bench/cpu_
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -41,10 +42,13 @@ def _hf_model(folder: str, name: str):
     """transformers' GGUF loading (needs accelerate); else its GGUF converter into LlamaForCausalLM."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
-    try:
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except (ImportError, ValueError) as exc:
-        print(f"\nAutoModelForCausalLM(gguf_file=...) failed ({exc}); using load_gguf_checkpoint")
+    if importlib.util.find_spec("accelerate") is not None:  # else it refuses, after a GGUF read
+        try:
+            return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        except (ImportError, ValueError) as exc:
+            print(
+                f"\nAutoModelForCausalLM(gguf_file=...) failed ({exc}); using load_gguf_checkpoint"
+            )
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     model = LlamaForCausalLM(AutoConfig.from_pretrained(folder, gguf_file=name)).float()

@@ -24,6 +24,15 @@ def test_the_default_grows_with_the_pool():
     assert sizes == sorted(sizes)
 
 
+def test_with_cuda_graphs_the_default_stays_within_the_largest_graph():
+    # a decode batch beyond --cuda-graph-max-bs runs eagerly (slower on the H200 than the extra
+    # requests gain), so a graphed worker's default is capped there; the CPU's is not
+    assert auto_max_running_requests(1 << 22, graph_max_bs=256) == 256
+    assert auto_max_running_requests(1 << 22, graph_max_bs=512) == 512
+    assert auto_max_running_requests(400_000, graph_max_bs=1024) == 781
+    assert auto_max_running_requests(1 << 22, graph_max_bs=None) == AUTO_MAX_RUNNING
+
+
 @pytest.mark.parametrize("pool", [65536, 400_000])
 def test_the_scheduler_sizes_its_slots_from_the_pool(pool):
     worker = FakeWorker(pool + 1, 1, 1)

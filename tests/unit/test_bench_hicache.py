@@ -44,6 +44,8 @@ def test_tier_ratios():
                 "host_written_bytes": 1e9,
                 "host_load_s": 0.1,
                 "host_load_bandwidth": 4e10,
+                "host_load_runs": 1000,
+                "host_write_runs": 0,
             },
         ),  # fmt: skip
         "unrestricted": sec(0.8, 0.1, 100),
@@ -55,4 +57,34 @@ def test_tier_ratios():
     assert abs(row["output_tok_s_over_unrestricted"] - 0.95) < 1e-9
     assert row["host_hit_rate"] == 0.3
     assert abs(row["load_throughput_over_copy_bandwidth"] - 3e10 / 4e10) < 1e-9
+    assert row["load_bytes_per_run"] == 3e6 and "write_bytes_per_run" not in row
     assert out["pinned_h2d_bandwidth"] is None  # no host-tier runs asked: not measured
+
+
+def test_host_copy_bench_writes_its_ratios(tmp_path):
+    import json
+
+    from bench import host_copy
+
+    out = tmp_path / "host_copy.json"
+    argv = ["--device", "cpu", "--pages", "8", "--layers", "2", "--kv-heads", "1",
+            "--head-dim", "8", "--run-lengths", "1,4", "--repeats", "1", "--out", str(out)]  # fmt: skip
+    assert host_copy.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["provenance"]["ceiling"].startswith("a plain contiguous copy")
+    assert data["config"]["batch_bytes"] == 8 * data["config"]["page_bytes"]
+    assert set(data["results"]) == {"run_1", "run_4"}
+    assert data["results"]["run_4"]["runs"] == 2
+    for row in data["results"].values():
+        for k in ("load", "write", "previous_load", "previous_write"):
+            assert row[f"{k}_over_copy"] > 0
+
+
+def test_host_ids_are_distinct_runs():
+    import numpy as np
+
+    from bench.host_copy import host_ids
+
+    ids = host_ids(10, 4, 41, np.random.default_rng(0))
+    assert len(ids) == len(set(ids.tolist())) == 10 and ids.min() >= 1 and ids.max() <= 40
+    assert sum(np.diff(ids) == 1) >= 6  # runs of 4, 4 and 2 consecutive pages

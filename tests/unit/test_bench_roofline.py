@@ -112,6 +112,9 @@ def test_kernel_phases_name_the_kernels_of_a_decode_step():
     assert kernel_phase("_gemv_fused_kernel") == "matmul"
     assert kernel_phase("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "matmul"
     assert kernel_phase("_decode_split_kernel") == "attention"
+    # FlashInfer's FA3 kernels on Hopper (the name holds "fill", which is not a copy)
+    fa3 = "void flashinfer::PrefillWithKVCacheKernel<flashinfer::SparseCollectiveMainloop<Paged"
+    assert kernel_phase(fa3) == "attention"
     assert kernel_phase("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>") == "attention"
     assert kernel_phase("_store_kv_kernel") == "kv_store"
     assert kernel_phase("_rotary_qk_kernel") == "rope"

@@ -22,19 +22,29 @@ def test_every_quoted_figure_matches_its_results_file():
 
 
 def test_a_figure_that_disagrees_with_its_json_is_reported():
+    mt = doc_figures.load_result("h200_multi_turn.json")
+    ratio, ttft_ms = mt["ratios"]["ttft_p50_off_over_on"], mt["cache_on"]["ttft_p50_s"] * 1e3
+    tok_s = mt["cache_on"]["output_tok_s"] + 40  # not what the file says
     text = (
-        "ratio 9.04<!-- fig h200_multi_turn.json#ratios.ttft_p50_off_over_on --> and "
-        "3,737<!-- fig h200_multi_turn.json#cache_on.output_tok_s --> tok/s, "
-        "102<!-- fig h200_multi_turn.json#cache_on.ttft_p50_s x1000 --> ms, "
+        f"ratio {ratio:.2f}<!-- fig h200_multi_turn.json#ratios.ttft_p50_off_over_on --> and "
+        f"{tok_s:,.0f}<!-- fig h200_multi_turn.json#cache_on.output_tok_s --> tok/s, "
+        f"{ttft_ms:.0f}<!-- fig h200_multi_turn.json#cache_on.ttft_p50_s x1000 --> ms, "
         "174<!-- fig h200_gpu_worker.json#decode_bs1_tok_s --> tok/s, "
         "1.0<!-- fig h200_multi_turn.json#no_such_key -->, "
         "1<!-- fig no_such_file.json#x -->"
     )
     figures = find_figures(text)
-    assert [f.quoted for f in figures] == ["9.04", "3,737", "102", "174", "1.0", "1"]
+    assert [f.quoted for f in figures] == [
+        f"{ratio:.2f}",
+        f"{tok_s:,.0f}",
+        f"{ttft_ms:.0f}",
+        "174",
+        "1.0",
+        "1",
+    ]
     results = [check(f)[1] for f in figures]
     assert results[0] is None and results[2] is None
-    assert "quotes 3,737" in results[1]
+    assert f"quotes {tok_s:,.0f}" in results[1]
     assert "quotes 174" in results[3]  # the JSON says 241
     assert "no key" in results[4]
     assert "no docs/results/no_such_file.json" in results[5]
@@ -44,10 +54,11 @@ def test_rounding_follows_the_precision_written():
     def fig(quoted: str) -> Figure:
         return Figure("t", 1, quoted, "h200_gpu_worker.json", "decode_bs1_roofline_fraction", 1.0)
 
-    assert check(fig("0.859"))[1] is None  # 0.85918...
-    assert check(fig("0.86"))[1] is None
-    assert check(fig("0.858"))[1] is not None
-    assert check(fig("0.8"))[1] is not None  # 0.859 does not round to 0.8
+    value = lookup(doc_figures.load_result("h200_gpu_worker.json"), "decode_bs1_roofline_fraction")
+    assert check(fig(f"{value:.3f}"))[1] is None
+    assert check(fig(f"{value:.2f}"))[1] is None
+    assert check(fig(f"{value + 0.001:.3f}"))[1] is not None
+    assert check(fig(f"{value + 0.2:.1f}"))[1] is not None  # one decimal, 0.15+ off
 
 
 def test_the_number_checked_is_the_last_one_before_its_marker():

@@ -175,6 +175,17 @@ def test_metrics_label_cached_tokens_by_tier():
     assert info.host_cached_tokens == sched.host_cached_tokens_total
     # 64 bytes a token here; a retracted request loads again without counting its hits again
     assert info.host_loaded_bytes >= info.host_cached_tokens * 64 > 0
+    # each batch's loads are at least one run and at most one run a page
+    assert 0 < info.host_load_runs <= info.host_loaded_bytes // (64 * info.page_size)
+    assert 0 < info.host_write_runs <= info.host_written_bytes // (64 * info.page_size)
+
+
+def test_host_page_runs():
+    from radix_runtime.scheduler.kv import host_page_runs
+
+    assert host_page_runs(np.array([9, 8, 7, 20, 3, 4], np.int32)) == 3  # 3-4, 7-9, 20
+    assert host_page_runs(np.array([5], np.int32)) == 1
+    assert host_page_runs(np.zeros(0, np.int32)) == 0
 
 
 def test_kv_events_keep_host_blocks_cached_until_they_leave_both_tiers():
