@@ -103,8 +103,12 @@ def install_observability_routes(app: FastAPI, manager: Any, args: ServerArgs) -
         )
         return _json_response(done)
 
-    app.add_api_route("/flush_cache", flush, methods=["GET", "POST"])
-    app.add_api_route("/reset_prefix_cache", flush, methods=["POST"])
+    # one operation id per method and path (OpenAPI needs them unique)
+    app.add_api_route("/flush_cache", flush, methods=["POST"], operation_id="flush_cache")
+    app.add_api_route("/flush_cache", flush, methods=["GET"], operation_id="flush_cache_get")
+    app.add_api_route(
+        "/reset_prefix_cache", flush, methods=["POST"], operation_id="reset_prefix_cache"
+    )
 
     @app.get("/cache_tree")
     async def cache_tree(request: Request) -> Response:

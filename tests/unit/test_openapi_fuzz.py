@@ -168,3 +168,15 @@ def test_schema_generated_requests_never_5xx_and_every_answer_conforms(server, p
     check()
     assert statuses.get(200, 0) > 0, statuses  # some bodies were valid and answered
     assert sum(v for k, v in statuses.items() if k >= 400) > 0, statuses
+
+
+def test_every_operation_has_its_own_id():
+    """GET /openapi.json names each operation once (clients generated from it need that; FastAPI
+    warns of a duplicate when one route serves two methods under one generated id)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = build_app(new_manager_for("/nonexistent"), ServerArgs()).openapi()
+    ids = [op["operationId"] for ops in schema["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
