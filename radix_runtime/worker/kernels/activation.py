@@ -30,13 +30,18 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, INTER, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * INTER + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def _gated(kernel, x: torch.Tensor) -> torch.Tensor:
+    """Launch a gated-activation kernel over contiguous x [N, 2I] (gate | up) -> [N, I]."""
     rows, inter = x.shape[0], x.shape[1] // 2
     y = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     if rows:
         block = 1024
-        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, y, inter, BLOCK=block)
+        kernel[(rows, triton.cdiv(inter, block))](x, y, inter, BLOCK=block)
     return y
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    return _gated(_silu_and_mul_kernel, x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -68,12 +73,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[N, 2I] (gate | up) -> gelu_tanh(gate) * up, [N, I]."""
     if not x.is_contiguous():
         return gelu_tanh_and_mul_torch(x)
-    rows, inter = x.shape[0], x.shape[1] // 2
-    y = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    if rows:
-        block = 1024
-        _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, y, inter, BLOCK=block)
-    return y
+    return _gated(_gelu_tanh_and_mul_kernel, x)
 
 
 def gelu_tanh_and_mul_torch(x: torch.Tensor) -> torch.Tensor:

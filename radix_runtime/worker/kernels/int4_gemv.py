@@ -74,6 +74,28 @@ def _int4_gemv_kernel(
     tl.store(y_ptr + m * y_stride + rn, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
+def _operands(
+    name: str,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 kernels' operand checks: x with unit column stride and the output y [M, N]."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if qweight.shape != (n, k // 8) or k % 8 or group_size % 8:
+        raise ValueError(
+            f"{name}: input of {k} columns, qweight {tuple(qweight.shape)}, group {group_size}"
+        )
+    if scales.shape != (n, -(-k // group_size)) or zeros.shape != scales.shape:
+        raise ValueError(f"{name}: scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, torch.empty((m, n), dtype=x.dtype, device=x.device)
+
+
 def int4_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -84,17 +106,8 @@ def int4_gemv(
 ) -> torch.Tensor:
     """x [M, K] (rows contiguous; a few rows: decode) -> x W^T [M, N] in x's dtype, W given in the
     layout above. `config` (BLOCK_N, BLOCK_KW, num_warps) overrides INT4_GEMV_DEFAULT_CONFIG."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    if qweight.shape != (n, k // 8) or k % 8 or group_size % 8:
-        raise ValueError(
-            f"int4_gemv: input of {k} columns, qweight {tuple(qweight.shape)}, group {group_size}"
-        )
-    if scales.shape != (n, -(-k // group_size)) or zeros.shape != scales.shape:
-        raise ValueError(f"int4_gemv: scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x, y = _operands("int4_gemv", x, qweight, scales, zeros, group_size)
+    (m, k), n = x.shape, y.shape[1]
     if m == 0:
         return y
     block_n, block_kw, warps = config or INT4_GEMV_DEFAULT_CONFIG
@@ -180,17 +193,8 @@ def int4_gemm(
     """`int4_gemv` for many rows, on tensor cores: W's tiles are dequantized in registers and
     rounded to x's dtype (bf16 / fp16). `config` (BLOCK_M, BLOCK_N, BLOCK_KW, num_warps,
     num_stages) overrides `int4_gemm_config(M)`."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    if qweight.shape != (n, k // 8) or k % 8 or group_size % 8:
-        raise ValueError(
-            f"int4_gemm: input of {k} columns, qweight {tuple(qweight.shape)}, group {group_size}"
-        )
-    if scales.shape != (n, -(-k // group_size)) or zeros.shape != scales.shape:
-        raise ValueError(f"int4_gemm: scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x, y = _operands("int4_gemm", x, qweight, scales, zeros, group_size)
+    (m, k), n = x.shape, y.shape[1]
     if m == 0:
         return y
     block_m, block_n, block_kw, warps, stages = config or int4_gemm_config(m)
