@@ -29,6 +29,7 @@ from radix_runtime.scheduler.cache import make_radix_cache
 from radix_runtime.scheduler.radix_cache import RadixCache
 from radix_runtime.scheduler.request import PageRow, Req
 from radix_runtime.scheduler.stats import Counters
+from radix_runtime.utils.runs import consecutive_runs
 
 # The host tier's cost model (docs/hicache.md): loading n tokens costs LOAD_LATENCY_S +
 # n * kv_bytes_per_token / load_bandwidth (measured by the worker at start); recomputing them
@@ -352,6 +353,4 @@ class KvBook:
 def host_page_runs(host_pages: np.ndarray) -> int:
     """Runs of consecutive ids among a batch's host pages, in any order: the copies the worker
     makes for them (worker/host_pool.py sorts a batch by host page)."""
-    if len(host_pages) == 0:
-        return 0
-    return 1 + int(np.count_nonzero(np.diff(np.sort(host_pages)) != 1))
+    return len(consecutive_runs(np.sort(host_pages))[0])

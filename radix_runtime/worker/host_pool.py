@@ -42,6 +42,7 @@ import time
 import numpy as np
 import torch
 
+from radix_runtime.utils.runs import consecutive_runs
 from radix_runtime.worker.kv_pool import KVPool, available_cpu_memory
 
 logger = logging.getLogger(__name__)
@@ -90,16 +91,6 @@ def last_per_destination(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, 
         return src, dst
     keep = np.sort(len(dst) - 1 - first)
     return src[keep], dst[keep]
-
-
-def consecutive_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where the runs of consecutive ids (each one more than the one before) start in `ids`,
-    and how long they are."""
-    if len(ids) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    starts = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = np.concatenate(([0], starts))
-    return starts, np.diff(np.concatenate((starts, [len(ids)])))
 
 
 class HostKVPool:
