@@ -45,7 +45,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.ceilings import cuda_time_ms, wall_time_ms
+from bench.ceilings import copy_TBps, cuda_time_ms, matmul_TFLOPs, wall_time_ms
 from bench.common import provenance, safe_token_range
 from bench.kernel_phases import phase_breakdown
 from radix_runtime import messages as m
@@ -61,18 +61,12 @@ SPECS = {"NVIDIA H200": (4.8, 989.0)}
 
 
 def ceilings() -> dict:
-    n = 1 << 30  # 2 GiB of bf16 each way: far beyond the 60 MB L2
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = cuda_time_ms(lambda: dst.copy_(src))
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = cuda_time_ms(lambda: a @ b)
+    cuda = torch.device("cuda")
     spec_bw, spec_flops = SPECS.get(torch.cuda.get_device_name(), (None, None))
     return {
-        "copy_TBps": 2 * n * 2 / (copy_ms * 1e-3) / 1e12,
+        "copy_TBps": copy_TBps(cuda),  # 2 GiB of bf16 each way: far beyond the 60 MB L2
         "read_TBps": read_bandwidth_TBps(),
-        "matmul_TFLOPs": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12,
+        "matmul_TFLOPs": matmul_TFLOPs(cuda, torch.bfloat16),
         "spec_TBps": spec_bw,
         "spec_TFLOPs": spec_flops,
     }
