@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
@@ -319,13 +320,16 @@ def run_targets(targets: list, opts: argparse.Namespace, config: dict) -> dict[s
             server = common.server_config(info, target.url, target.flags)
             config[f"{target.label}_server"] = server
             page_size = server["page_size"]
+            before = scheduler_times(url, opts.api_key)
             turns, duration, lag = common.run_async(
                 run_trace(url, trace, opts, target.label, replay)
             )
+            after = scheduler_times(url, opts.api_key)
             tokenizer = load_tokenizer(info) if opts.text else None
             optimal = optimal_per_turn(turns, page_size, tokenizer)
             sections[target.label] = section(turns, duration, opts.rounds, optimal) | lag
             tier_stats(sections[target.label], turns, opts.rounds, url, opts.api_key)
+            sections[target.label]["scheduler"] = times_delta(before, after)
             if info.get("router"):  # counted since each replica started: warm-ups included
                 sections[target.label]["replicas"] = common.replica_split(url, opts.api_key)
             if replay is None:
@@ -481,6 +485,47 @@ def tier_stats(sec: dict, turns: list[Turn], rounds: int, url: str, api_key) -> 
         sum(t.result.host_cached_tokens for t in turns if t.round == r) * per_token
         for r in range(rounds)
     ]
+
+
+# the scheduler's histograms a TTFT splits into (/metrics): arrival -> first step, first step
+# -> first token; and the steps' pipeline and worker times
+SCHEDULER_TIMES = ("queue_time_seconds", "prefill_time_seconds", "step_time_seconds",
+                   "forward_time_seconds")  # fmt: skip
+
+
+def scheduler_times(url: str, api_key) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of each of SCHEDULER_TIMES from the server's /metrics; None without it
+    (--disable-metrics, or a router)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(url + "/metrics", headers=common._headers(api_key), timeout=60)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        name = family.name.removeprefix("radix_runtime:")
+        if name not in SCHEDULER_TIMES:
+            continue
+        total = {s.name.rsplit("_", 1)[-1]: s.value for s in family.samples
+                 if s.name.endswith(("_sum", "_count"))}  # fmt: skip
+        out[name] = (total.get("sum", 0.0), total.get("count", 0.0))
+    return out
+
+
+def times_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The run's mean of each scheduler time (seconds) and its count, from two scrapes."""
+    if not before or not after:
+        return None
+    out = {}
+    for name, (s1, c1) in after.items():
+        s0, c0 = before.get(name, (0.0, 0.0))
+        n = c1 - c0
+        key = name.removesuffix("_seconds")
+        out[f"{key}_mean_s"] = (s1 - s0) / n if n else None
+        out[f"{key}_count"] = n
+    return out
 
 
 def measure_pinned_bandwidth() -> float | None:

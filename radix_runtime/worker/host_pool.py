@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -144,8 +145,7 @@ class HostKVPool:
         writes_block: bool,
     ):
         """A batch's copies, before its model runs: writes, then loads (called for every step,
-        copies or not). Returns what `load_time` reads (CUDA: the load's timing events; CPU:
-        its seconds)."""
+        copies or not). Returns what `load_time` and `wait_time` read once the step is done."""
         self._check(write_src, write_dst, load_src, load_dst)
         write_src, write_dst = last_per_destination(write_src, write_dst)
         load_src, load_dst = last_per_destination(load_src, load_dst)
@@ -154,14 +154,22 @@ class HostKVPool:
         write_src, write_dst = write_src[order], write_dst[order]
         order = np.argsort(load_src, kind="stable")
         load_src, load_dst = load_src[order], load_dst[order]
-        if not self.cuda:
+        if not self.cuda:  # synchronous: the step waits for every copy
+            if not len(write_src) and not len(load_src):
+                return CopyTiming()
+            t0 = time.perf_counter()
             if len(write_src):
                 self._write_sync(write_src, write_dst)
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             if len(load_src):
                 self._load_sync(load_src, load_dst)
-            return time.perf_counter() - t0
+            t2 = time.perf_counter()
+            return CopyTiming(load=t2 - t1 if len(load_src) else None, wait=t2 - t0)
         compute = torch.cuda.current_stream(self.dev.device)
+        before = None  # the compute stream, before it waits for any copy
+        if self._last_write_event is not None or len(write_src) or len(load_src):
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(compute)
         if self._last_write_event is not None:
             compute.wait_event(self._last_write_event)  # the previous batch's writes
             self._last_write_event = None
@@ -170,22 +178,27 @@ class HostKVPool:
             self._last_write_event = event
             if writes_block:
                 compute.wait_event(event)
-        if len(load_src):
-            return self._load_async(load_src, load_dst, compute)
-        return None
+        load = self._load_async(load_src, load_dst, compute) if len(load_src) else None
+        if before is None:
+            return CopyTiming()
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(compute)
+        return CopyTiming(load=load, wait=(before, after))
 
     @staticmethod
-    def load_time(handle) -> float:
+    def load_time(handle: CopyTiming | None) -> float:
         """Seconds the loads of a batch took (call after its step completed): on CUDA the side
         stream's time from the load's start to its end (copies and scatter; a stream starved
         by the host issuing the copies counts the gaps too)."""
-        if handle is None:
-            return 0.0
-        if isinstance(handle, float):
-            return handle
-        start, end = handle
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return _seconds(handle.load) if handle is not None else 0.0
+
+    @staticmethod
+    def wait_time(handle: CopyTiming | None) -> float:
+        """Seconds the batch's model waited for copies (call after its step completed): on CUDA
+        the compute stream's time from reaching the batch's copies (every earlier step done) to
+        passing them (the previous batch's writes, this batch's blocking writes and its loads
+        done); on the CPU the copies' wall time. The loads' cost on the critical path."""
+        return _seconds(handle.wait) if handle is not None else 0.0
 
     def _check(self, *arrays: np.ndarray) -> None:
         ws, wd, ls, ld = arrays
@@ -284,6 +297,25 @@ class HostKVPool:
         """Every queued copy done (tests, shutdown)."""
         if self.cuda:
             self.stream.synchronize()
+
+
+@dataclass
+class CopyTiming:
+    """What a batch's copies leave for `HostKVPool.load_time` / `wait_time`: CUDA timing
+    events (a pair: from, to) or, on the CPU, seconds."""
+
+    load: tuple | float | None = None  # the loads (CUDA: on the side stream)
+    wait: tuple | float | None = None  # the model's wait for the copies (CUDA: compute stream)
+
+
+def _seconds(timing) -> float:
+    if timing is None:
+        return 0.0
+    if isinstance(timing, float):
+        return timing
+    start, end = timing
+    end.synchronize()
+    return max(start.elapsed_time(end), 0.0) / 1e3
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:

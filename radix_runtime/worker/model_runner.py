@@ -43,7 +43,12 @@ from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.distributed import TPRank
 from radix_runtime.worker.host_copy import to_device
-from radix_runtime.worker.host_pool import HostKVPool, host_pool_pages, measure_load_bandwidth
+from radix_runtime.worker.host_pool import (
+    CopyTiming,
+    HostKVPool,
+    host_pool_pages,
+    measure_load_bandwidth,
+)
 from radix_runtime.worker.kernels import KernelConfig
 from radix_runtime.worker.kernels import available as kernels_available
 from radix_runtime.worker.kv_pool import KVPool, kv_storage_dtype, num_pages_for
@@ -105,7 +110,7 @@ class PendingStep:
     host: list[torch.Tensor] | None = None  # sample.tensors() + prompt logprobs, on the host
     event: torch.cuda.Event | None = None  # recorded after the device-to-host copies
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
-    load: object = None  # the host tier's load timing (HostKVPool.load_time)
+    load: CopyTiming | None = None  # the host tier's copy timing (HostKVPool.load_time)
     deferred: tuple | None = None  # (layout, logits, keep_logits) until `sample` runs
 
     def ready(self) -> bool:
@@ -439,7 +444,7 @@ class ModelRunner:
         self.sample(pending)
         if pending.event is not None:
             pending.event.synchronize()
-        load_s = HostKVPool.load_time(pending.load) if pending.load is not None else 0.0
+        load_s, wait_s = HostKVPool.load_time(pending.load), HostKVPool.wait_time(pending.load)
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0
@@ -476,7 +481,11 @@ class ModelRunner:
                 used += 2
         forward_s = time.perf_counter() - pending.t0
         return m.ForwardResult(
-            step=pending.step, results=results, forward_s=forward_s, load_s=load_s
+            step=pending.step,
+            results=results,
+            forward_s=forward_s,
+            load_s=load_s,
+            copy_wait_s=wait_s,
         )
 
     def _copy_to_host(

@@ -43,6 +43,8 @@ def test_host_pool_is_pinned_and_copies_round_trip():
     for b, want in zip(dev.k_buffers, before):
         assert torch.equal(b[30:34], want)
     assert HostKVPool.load_time(handle) > 0
+    # the model waits for the load: its wait spans the load (the compute stream was idle)
+    assert HostKVPool.wait_time(handle) > 0
 
 
 def test_a_load_is_ordered_after_earlier_work_on_its_pages():
