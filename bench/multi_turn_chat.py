@@ -204,17 +204,21 @@ async def run_trace(
 
 
 def optimal_per_turn(turns: Sequence[Turn], page_size: int, tokenizer=None) -> list[int] | None:
-    """Optimal cached tokens per turn (issue order). Text mode tokenizes the chat prompts with
-    the model's tokenizer (None if there is none) and the answers as plain text."""
+    """Optimal cached tokens per turn (issue order): against what the server computed, i.e.
+    each prompt and the answer the server generated for it. A replayed run (every target after
+    the first) sends the first run's answers in its next prompts; where its own greedy answer
+    differed (dummy weights give near-tied logits, and batching changes the last bits) no cache
+    could hold the replayed tokens. Text mode tokenizes the chat prompts with the model's
+    tokenizer (None if there is none) and the answers as plain text."""
     if tokenizer is None and turns and isinstance(turns[0].answer, str):
         return None
     pairs = []
     for t in turns:
         if tokenizer is not None:
             prompt = tokenizer.encode_chat(t.prompt)
-            answer = tokenizer.encode(t.answer, add_special_tokens=False)
+            answer = tokenizer.encode(t.result.text, add_special_tokens=False)
         else:
-            prompt, answer = t.prompt, t.answer
+            prompt, answer = t.prompt, t.result.output_ids
         pairs.append((prompt, answer))
     return common.optimal_cached_tokens(pairs, page_size)
 
@@ -479,6 +483,7 @@ def tier_stats(sec: dict, turns: list[Turn], rounds: int, url: str, api_key) -> 
     load time) and, per round, the bytes loaded from the host."""
     cache = common.get_server_info(url, api_key).get("cache") or {}
     sec["server_cache"] = cache
+    sec["host_loaded_requests"] = sum(1 for t in turns if t.result.host_cached_tokens > 0)
     host_tokens = cache.get("host_cached_tokens") or 0
     per_token = cache.get("host_loaded_bytes", 0) / host_tokens if host_tokens else 0.0
     sec["per_round"]["bytes_loaded"] = [
@@ -487,14 +492,15 @@ def tier_stats(sec: dict, turns: list[Turn], rounds: int, url: str, api_key) -> 
     ]
 
 
-# the scheduler's histograms a TTFT splits into (/metrics): arrival -> first step, first step
-# -> first token; and the steps' pipeline and worker times
-SCHEDULER_TIMES = ("queue_time_seconds", "prefill_time_seconds", "step_time_seconds",
-                   "forward_time_seconds")  # fmt: skip
+# the server's histograms (/metrics) a TTFT splits into: the server's own TTFT (from the
+# tokenizer manager), arrival at the scheduler -> first step, first step -> first token; and
+# the steps' pipeline and worker times
+SERVER_TIMES = ("time_to_first_token_seconds", "queue_time_seconds", "prefill_time_seconds",
+                "step_time_seconds", "forward_time_seconds")  # fmt: skip
 
 
 def scheduler_times(url: str, api_key) -> dict[str, tuple[float, float]] | None:
-    """(sum, count) of each of SCHEDULER_TIMES from the server's /metrics; None without it
+    """(sum, count) of each of SERVER_TIMES from the server's /metrics; None without it
     (--disable-metrics, or a router)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -506,7 +512,7 @@ def scheduler_times(url: str, api_key) -> dict[str, tuple[float, float]] | None:
     out = {}
     for family in text_string_to_metric_families(r.text):
         name = family.name.removeprefix("radix_runtime:")
-        if name not in SCHEDULER_TIMES:
+        if name not in SERVER_TIMES:
             continue
         total = {s.name.rsplit("_", 1)[-1]: s.value for s in family.samples
                  if s.name.endswith(("_sum", "_count"))}  # fmt: skip
@@ -515,7 +521,7 @@ def scheduler_times(url: str, api_key) -> dict[str, tuple[float, float]] | None:
 
 
 def times_delta(before: dict | None, after: dict | None) -> dict | None:
-    """The run's mean of each scheduler time (seconds) and its count, from two scrapes."""
+    """The run's mean of each server time (seconds) and its count, from two scrapes."""
     if not before or not after:
         return None
     out = {}
@@ -561,6 +567,7 @@ def tier_ratios(sections: dict, opts: argparse.Namespace) -> dict:
             "bytes_loaded": cache.get("host_loaded_bytes"),
             "bytes_written": cache.get("host_written_bytes"),
             "load_s": cache.get("host_load_s"),
+            "copy_wait_s": cache.get("host_copy_wait_s"),
         }
         if ref is not None:
             row["ttft_p50_over_unrestricted"] = common.ratio(sec["ttft_p50_s"], ref["ttft_p50_s"])
@@ -637,6 +644,30 @@ def print_tiers(result: dict) -> None:
     for label in labels:
         rates = " ".join(common.fmt(x) for x in result[label]["per_round"]["hit_rate"])
         print(f"  {label:<24}{rates}")
+    print("where a TTFT goes (means, ms; server: from the tokenizer manager; queue: at the "
+          "scheduler until admitted; prefill: admitted -> first token; copy wait: the steps' "
+          "wait for the host tier's copies, per request loaded from the host):")  # fmt: skip
+    print(f"  {'run':<24}{'client':>8}{'server':>8}{'queue':>8}{'prefill':>8}{'step':>8}"
+          f"{'forward':>8}{'copy wait':>10}")  # fmt: skip
+    for label in labels:
+        sec, times = result[label], result[label].get("scheduler") or {}
+        wait = (sec.get("server_cache") or {}).get("host_copy_wait_s")
+        loaded = sec.get("host_loaded_requests")
+        per = wait / loaded if wait and loaded else None
+        print(
+            f"  {label:<24}{common.fmt(sec.get('ttft_mean_s'), 1e3, 1):>8}"
+            + "".join(
+                f"{common.fmt(times.get(f'{k}_mean_s'), 1e3, 1):>8}"
+                for k in (
+                    "time_to_first_token",
+                    "queue_time",
+                    "prefill_time",
+                    "step_time",
+                    "forward_time",
+                )
+            )  # fmt: skip
+            + f"{common.fmt(per, 1e3, 1):>10}"
+        )
 
 
 def plot(result: dict, path: str) -> None:

@@ -115,6 +115,10 @@ def test_multi_turn_chat_cache_on_and_off(tmp_path):
     check_section(off, 6, rounds=2)
     for sec in (on, off):  # the client's own event-loop lag is reported beside the latencies
         assert 0 <= sec["client_loop_lag_p50_ms"] <= sec["client_loop_lag_p99_ms"]
+        # the server's /metrics split of the run's TTFTs: each request queued and prefilled once
+        times = sec["scheduler"]
+        assert times["queue_time_count"] == times["prefill_time_count"] == 6
+        assert 0 <= times["queue_time_mean_s"] < times["time_to_first_token_mean_s"]
     # every answer is exactly --answer-tokens long (EOS ignored)
     assert on["output_tokens"] == off["output_tokens"] == 6 * 8
     # the same prompts went to both servers
