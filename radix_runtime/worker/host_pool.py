@@ -13,18 +13,24 @@ The worker only copies what it is told (`ForwardBatch.write_*`, `load_*`), befor
 model runs. A batch's pairs are sorted by host page id, so each run of consecutive host pages
 moves as one block. On CUDA every copy runs on ONE side stream, so copies run in the order they
 were queued and no host thread ever waits for one:
-- a write (device -> host) first waits for the compute stream (the KV it reads was computed by
-  an earlier step), gathers the pages on the device into the staging buffer (page major) and
-  copies each run of consecutive host pages straight into the pinned pool with one async copy.
-  The step waits for the writes when `writes_block` says it reuses their device pages, and
-  every step waits for the previous batch's writes (a write-through copy whose node a later
-  batch evicts).
+- the steps still running when a batch's copies are queued (the overlap schedule: the step
+  before) are known by the KV pages they read and write (`StepPages`, from the worker); every
+  step before them is done (collected). A copy waits for the compute stream only when it
+  touches one of their pages: a write when a running step writes a page it reads (the tree's
+  pages hold KV computed by collected steps, so in practice never), a load when a running step
+  reads or writes a page it fills (a page freed while the step before still ran: a request
+  finished or aborted, its row in that step discarded). Otherwise the copies run while the
+  step before computes.
+- a write (device -> host) gathers the pages on the device into the staging buffer (page
+  major) and copies each run of consecutive host pages straight into the pinned pool with one
+  async copy. The step waits for the writes when `writes_block` says it reuses their device
+  pages, and every step waits for the previous batch's writes (a write-through copy whose node
+  a later batch evicts).
 - a load (host -> device) copies each run of consecutive host pages from the pinned pool into
   the staging buffer with one async copy, and scatters the staging buffer into the device pool
-  there; it too first waits for the compute stream's earlier work (a page it fills may have
-  been freed while the step before still ran), and the step waits for the load's event. So a
-  load is ordered before the step that reads it, and after every write queued before it (the
-  same stream): a page loaded includes the writes queued before, with no host wait.
+  there, and the step waits for the load's event. So a load is ordered before the step that
+  reads it, and after every write queued before it (the same stream): a page loaded includes
+  the writes queued before, with no host wait.
 - the staging buffer is reused chunk after chunk and batch after batch in the stream's order;
   nothing else touches it.
 Off CUDA (the CPU worker, and CI) both pools are host tensors and there is no staging buffer:
@@ -143,9 +149,12 @@ class HostKVPool:
         load_src: np.ndarray,
         load_dst: np.ndarray,
         writes_block: bool,
-    ):
+        busy: StepPages | None = None,
+    ) -> CopyTiming:
         """A batch's copies, before its model runs: writes, then loads (called for every step,
-        copies or not). Returns what `load_time` and `wait_time` read once the step is done."""
+        copies or not). `busy`: the KV pages that the steps still running read and write; a
+        copy that touches none of theirs does not wait for them (None: every copy waits).
+        Returns what `load_time` and `wait_time` read once the step is done."""
         self._check(write_src, write_dst, load_src, load_dst)
         write_src, write_dst = last_per_destination(write_src, write_dst)
         load_src, load_dst = last_per_destination(load_src, load_dst)
@@ -174,11 +183,17 @@ class HostKVPool:
             compute.wait_event(self._last_write_event)  # the previous batch's writes
             self._last_write_event = None
         if len(write_src):
-            event = self._write_async(write_src, write_dst, compute)
+            # a write reads its pages: it waits for the steps running only if one writes them
+            wait = busy is None or _touches(write_src, busy.written)
+            event = self._write_async(write_src, write_dst, compute, wait)
             self._last_write_event = event
             if writes_block:
                 compute.wait_event(event)
-        load = self._load_async(load_src, load_dst, compute) if len(load_src) else None
+        load = None
+        if len(load_src):
+            # a load writes its pages: it waits for the steps running if one reads or writes them
+            wait = busy is None or _touches(load_dst, busy.read) or _touches(load_dst, busy.written)
+            load = self._load_async(load_src, load_dst, compute, wait)
         if before is None:
             return CopyTiming()
         after = torch.cuda.Event(enable_timing=True)
@@ -254,11 +269,14 @@ class HostKVPool:
 
     # -- CUDA ----------------------------------------------------------------------------------
 
-    def _write_async(self, src: np.ndarray, dst: np.ndarray, compute) -> torch.cuda.Event:
+    def _write_async(
+        self, src: np.ndarray, dst: np.ndarray, compute, wait: bool
+    ) -> torch.cuda.Event:
         starts, lengths = self._count(dst, load=False)
         src_t = torch.from_numpy(src.astype(np.int64)).pin_memory()
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(compute)
+            if wait:
+                self.stream.wait_stream(compute)
             idx = src_t.to(self.dev.device, non_blocking=True)
             for a, b in self._chunks(len(src)):
                 self._gather_device(idx[a:b], self._staging[: b - a])
@@ -278,12 +296,13 @@ class HostKVPool:
             else:
                 pool.copy_(staged, non_blocking=True)
 
-    def _load_async(self, src: np.ndarray, dst: np.ndarray, compute):
+    def _load_async(self, src: np.ndarray, dst: np.ndarray, compute, wait: bool):
         starts, lengths = self._count(src, load=True)
         dst_t = torch.from_numpy(dst.astype(np.int64)).pin_memory()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(compute)
+            if wait:
+                self.stream.wait_stream(compute)
             start.record(self.stream)
             idx = dst_t.to(self.dev.device, non_blocking=True)
             for a, b in self._chunks(len(src)):
@@ -297,6 +316,19 @@ class HostKVPool:
         """Every queued copy done (tests, shutdown)."""
         if self.cuda:
             self.stream.synchronize()
+
+
+@dataclass(frozen=True)
+class StepPages:
+    """The KV pages a launched step reads (its requests' page rows up to their new tokens) and
+    writes (its new tokens' pages)."""
+
+    read: np.ndarray
+    written: np.ndarray
+
+
+def _touches(pages: np.ndarray, busy: np.ndarray) -> bool:
+    return bool(len(busy)) and bool(np.isin(pages, busy).any())
 
 
 @dataclass

@@ -46,6 +46,7 @@ from radix_runtime.worker.host_copy import to_device
 from radix_runtime.worker.host_pool import (
     CopyTiming,
     HostKVPool,
+    StepPages,
     host_pool_pages,
     measure_load_bandwidth,
 )
@@ -95,6 +96,7 @@ class _StepLayout:
     ids: list[np.ndarray]  # per request, its input ids
     logit_rows: np.ndarray  # batch token rows whose logits are computed
     logit_ranges: list[tuple[int, int]]  # per request, its rows within `logit_rows`
+    pages: StepPages  # the KV pages the step reads and writes
 
 
 @dataclass
@@ -183,6 +185,9 @@ class ModelRunner:
             fill_threads=args.grammar_fill_threads,
         )
         self._deferred: PendingStep | None = None  # launched with its sampling not queued yet
+        # the KV pages each launched, not yet collected step reads and writes (by step): a host
+        # tier copy that touches none of them need not wait for those steps (HostKVPool.copy)
+        self._in_flight: dict[int, StepPages] = {}
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(self.max_running, dtype=torch.long, device=self.device)
@@ -376,6 +381,7 @@ class ModelRunner:
         if not batch.reqs:
             return pending
         layout = self._prepare(batch.reqs)
+        self._in_flight[pending.step] = layout.pages
         pending.deferred = (layout, self._logits(layout, keep_logits), keep_logits)
         if not (
             defer_sample and self.sampler.has_grammar([r.slot for r in batch.reqs if r.sample])
@@ -437,6 +443,18 @@ class ModelRunner:
             m.unpack_ids(batch.load_src),
             m.unpack_ids(batch.load_dst),
             batch.writes_block,
+            busy=self.pages_in_flight(),
+        )
+
+    def pages_in_flight(self) -> StepPages:
+        """The KV pages the launched, not yet collected steps read and write."""
+        steps = list(self._in_flight.values())
+        if len(steps) == 1:
+            return steps[0]
+        empty = np.zeros(0, np.int32)
+        return StepPages(
+            read=np.concatenate([empty, *(s.read for s in steps)]),
+            written=np.concatenate([empty, *(s.written for s in steps)]),
         )
 
     def collect(self, pending: PendingStep) -> m.ForwardResult:
@@ -444,6 +462,7 @@ class ModelRunner:
         self.sample(pending)
         if pending.event is not None:
             pending.event.synchronize()
+        self._in_flight.pop(pending.step, None)  # its kernels are done (the event follows them)
         load_s, wait_s = HostKVPool.load_time(pending.load), HostKVPool.wait_time(pending.load)
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
@@ -571,7 +590,8 @@ class ModelRunner:
             input_ids[index[0]] = self.last_sampled[index[1]]
         self._observe_fed(reqs, input_ids, meta.qo_indptr_cpu)
         logit_rows, logit_ranges = self._logit_rows(reqs, meta.qo_indptr_cpu)
-        return _StepLayout(input_ids, meta, ids, logit_rows, logit_ranges)
+        pages = StepPages(read=np.concatenate(page_rows), written=token_pages)
+        return _StepLayout(input_ids, meta, ids, logit_rows, logit_ranges, pages)
 
     def _admit(self, r: m.ForwardReq, n_new: int) -> None:
         """Validate one request's share and apply its new pages / new-slot reset."""
