@@ -126,3 +126,9 @@ def test_masks_are_queued_without_waiting_for_the_device():
         text = [tokenizer.decode([t]) for t in host]
         assert is_prefix(text[0]) and is_prefix(text[2]), text
         assert text[1] == "x"  # the unconstrained row is not masked
+
+
+def test_padded_vocabulary_cuda():
+    from grammar_steps import check_padded_vocabulary
+
+    check_padded_vocabulary(CUDA)
