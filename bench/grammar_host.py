@@ -2,7 +2,7 @@
 the batch's grammar masks (`Sampler.grammar_masks`), per step, in-process (no model, no server).
 
     python bench/grammar_host.py [--batch 64] [--vocab 128256] [--steps 60]
-        [--threads 0,4,8,auto] [--out docs/results/cpu_grammar_host.json]
+        [--threads 0,4,8,auto] [--tokenizer default] [--out docs/results/cpu_grammar_host.json]
 
 Every row is constrained by one of three grammars and decodes a fixed valid text from its own
 offset (so the rows are in different grammar states): bench/structured.py's long integer array,
@@ -159,6 +159,12 @@ def main() -> None:
     ap.add_argument(
         "--threads", default="0,4,8,auto", help="fill threads to time (auto: the CUDA default)"
     )
+    ap.add_argument(
+        "--tokenizer",
+        default="default",
+        help="the vocabulary (load_tokenizer: 'default', a HF folder such as one written by "
+        "bench/export_tokenizer.py, a .gguf); without the default model: 259 byte tokens",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -172,7 +178,7 @@ def main() -> None:
     from radix_runtime.worker.sampler import Sampler
 
     try:
-        tokenizer = load_tokenizer("default")
+        tokenizer = load_tokenizer(args.tokenizer)
     except ModelNotFound:
         tokenizer = byte_tokenizer()
     cache = GrammarCache(lambda: tokenizer, args.vocab, list(tokenizer.eos_token_ids))
@@ -247,8 +253,9 @@ def main() -> None:
             "repeats": args.repeats,
             "threads": threads,  # label -> fill threads
             "cores": cores,
-            # the default model's tokenizer, or (a machine without it) 259 byte tokens, padded
-            # with never-allowed ids to --vocab
+            # --tokenizer, or (a machine without the default model) 259 byte tokens; the logits
+            # columns past it up to --vocab are never allowed
+            "tokenizer": args.tokenizer,
             "tokenizer_vocab": tokenizer.vocab_size,
         },
         "host_ms_per_step": rows,

@@ -312,3 +312,20 @@ def test_fill_threads_default_resolves_per_device(monkeypatch):
     assert resolved("cpu", 16) == 0
     assert resolved("cuda", 16, grammar_fill_threads=0) == 0
     assert resolved("cpu", 16, grammar_fill_threads=2) == 2
+
+
+def test_exported_tokenizer_is_the_same_vocabulary(tmp_path):
+    """bench/export_tokenizer.py: the folder the H200 runs carry loads as the same tokens."""
+    from bench.export_tokenizer import export
+    from radix_runtime.tokenizer import load_tokenizer
+
+    tokenizer, _ = grammar_cache()
+    export("default", str(tmp_path))
+    copy = load_tokenizer(str(tmp_path))
+    assert copy.vocab_size == tokenizer.vocab_size
+    assert sorted(copy.eos_token_ids) == sorted(tokenizer.eos_token_ids)
+    for tid in range(0, tokenizer.vocab_size, 97):
+        assert copy.token_bytes(tid) == tokenizer.token_bytes(tid)
+        assert copy.is_special(tid) == tokenizer.is_special(tid)
+    text = 'Hello {"a": [1, 2.5]} wörld <|im_end|>'
+    assert copy.encode(text) == tokenizer.encode(text)
