@@ -81,7 +81,14 @@ def _decode_steps(runner, ahead: bool, n: int = 12) -> list[int]:
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_constrained_launch_ahead_equals_synchronous(graphs):
+    import os
+
+    from radix_runtime.config import auto_grammar_fill_threads
+
     runner = cuda_runner(page_size=4, disable_cuda_graph=not graphs)
+    # the default fill threads of a CUDA worker (8 on the H200's 16 cores) fill the masks here
+    cores = len(os.sched_getaffinity(0))
+    assert runner.sampler.fill_threads == auto_grammar_fill_threads("cuda", cores)
     _compile(runner, "regex", REGEX)
     sync = _decode_steps(runner, ahead=False)
     ahead = _decode_steps(runner, ahead=True)

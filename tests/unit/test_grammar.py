@@ -132,10 +132,11 @@ def test_batch_fill_on_threads_equals_one_by_one():
     """xgrammar's BatchGrammarMatcher on threads fills the same masks as the matchers one by one
     (grammars that finish, unconstrained and min_tokens rows in the batch)."""
     one_by_one = _masks_over_steps(0)
-    threaded = _masks_over_steps(2)
-    assert len(one_by_one) == len(threaded)
-    for a, b in zip(one_by_one, threaded):
-        assert torch.equal(a, b)
+    for threads in (2, 3):  # 3: more threads than the batch has grammar rows
+        threaded = _masks_over_steps(threads)
+        assert len(one_by_one) == len(threaded)
+        for a, b in zip(one_by_one, threaded):
+            assert torch.equal(a, b)
 
 
 def test_jump_forward_retokenizes_the_boundary():
