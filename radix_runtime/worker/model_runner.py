@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from radix_runtime import messages as m
-from radix_runtime.config import ServerArgs, auto_max_running_requests
+from radix_runtime.config import ServerArgs, auto_grammar_fill_threads, auto_max_running_requests
 from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
@@ -182,7 +182,7 @@ class ModelRunner:
             list(c.eos_token_ids),
             self.grammars,
             jump_forward=args.enable_jump_forward,
-            fill_threads=args.grammar_fill_threads,
+            fill_threads=self._fill_threads(),
         )
         self._deferred: PendingStep | None = None  # launched with its sampling not queued yet
         # the KV pages each launched, not yet collected step reads and writes (by step): a host
@@ -221,6 +221,16 @@ class ModelRunner:
             self.attn.name, "on" if self.cuda_graphs else "off",
             f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp.enabled else "",
         )  # fmt: skip
+
+    def _fill_threads(self) -> int:
+        """--grammar-fill-threads, or its default for this device and the cores this worker may
+        run on (its affinity mask, split between the tensor-parallel ranks on this host)."""
+        if self.args.grammar_fill_threads is not None:
+            return self.args.grammar_fill_threads
+        cores = len(os.sched_getaffinity(0)) // max(1, self.args.tp // self.args.nnodes)
+        threads = auto_grammar_fill_threads(self.device.type, cores)
+        logger.info("grammar masks: %d fill threads (%d cores)", threads, cores)
+        return threads
 
     def _grammar_cache(self, source):
         """Constrained decoding's compile cache; None without xgrammar or without a tokenizer
