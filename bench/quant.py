@@ -112,9 +112,16 @@ ROW_CASES = (
     ("down", 4096, 14336, 2, True),  # SiLU(gate) * up in, into the residual
 )
 FP8_CONFIGS = [(2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 4),
-               (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 4)]  # fmt: skip
+               (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 4),
+               (2, 1024, 8), (4, 512, 4), (4, 1024, 8), (2, 1024, 4)]  # fmt: skip
+# (BLOCK_Q, BLOCK_KW, warps[, prefetch]) (kernels/int4_gemv.py's int4_gemv config)
 INT4_CONFIGS = [(bq, bkw, w) for bq in (1, 2, 4, 8) for bkw, w in
                 ((64, 2), (128, 2), (128, 4), (256, 4), (256, 8))]  # fmt: skip
+INT4_CONFIGS += [(2, 128, 4, 1), (4, 128, 4, 1), (2, 256, 8, 1), (4, 256, 8, 1)]
+# the narrow cases (4,096 rows: few programs) also try more warps per program
+INT4_NARROW_CONFIGS = [(2, 256, 8), (4, 256, 8), (2, 512, 8), (4, 512, 8), (4, 512, 16),
+                       (1, 256, 8), (2, 256, 4), (4, 256, 4), (2, 256, 8, 1), (4, 256, 8, 1),
+                       (2, 128, 4, 1)]  # fmt: skip
 
 
 def _row_inputs(n: int, k: int, prologue: int, add: bool) -> tuple[torch.Tensor, dict]:
@@ -180,9 +187,10 @@ def gemv_fp8_sweep() -> dict:
     return out
 
 
-def gemv_int4_sweep(top: int = 6) -> dict:
+def gemv_int4_sweep(top: int = 4) -> dict:
     """The int4 GEMV's (BLOCK_Q, BLOCK_KW, warps) on the one-token layer's four cases (the whole
-    grid on gate_up, the `top` best of it on the others), against the bf16 GEMV on the same case:
+    grid on gate_up, the `top` best of it and INT4_NARROW_CONFIGS on the others), against the bf16
+    GEMV on the same case:
     us per product and weight TB/s (packed bytes + the GEMV's scales); on gate_up also the GEMV,
     the int4 GEMM and cuBLAS (bf16) by input rows (the KernelConfig thresholds). Each variant
     runs over distinct weights beyond L2, in one CUDA graph."""
@@ -232,6 +240,7 @@ def gemv_int4_sweep(top: int = 6) -> dict:
         }
         if name == "gate_up":  # where the GEMV, the int4 GEMM and cuBLAS cross over in rows
             configs = sorted(sweep, key=sweep.get)[:top]
+            configs += [c for c in INT4_NARROW_CONFIGS if c not in configs]
             w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             rows = {}
             for m in (1, 2, 4, 8, 16, 64):
@@ -254,6 +263,25 @@ def gemv_int4_sweep(top: int = 6) -> dict:
     return out
 
 
+def apply_best_configs(results: dict) -> dict:
+    """The sweeps' best configs into kernels/gemv.py's FP8_GEMV_CONFIGS and kernels/int4_gemv.py's
+    INT4_GEMV_CONFIGS (this process only), so that the variants measured next run them; returns
+    what was applied (the tables to commit when they differ from the code's)."""
+    from radix_runtime.worker.kernels import gemv, int4_gemv
+
+    applied: dict = {}
+    for sweep, table, what in (
+        ("gemv_fp8", gemv.FP8_GEMV_CONFIGS, "fp8_best_config"),
+        ("gemv_int4", int4_gemv.INT4_GEMV_CONFIGS, "int4_best_config"),
+    ):
+        for name, n, k, prologue, add in ROW_CASES:
+            case = results.get(sweep, {}).get(f"{name} {n}x{k}")
+            if case is not None:
+                table[(n, k, prologue, add)] = tuple(case[what])
+                applied.setdefault(sweep, {})[name] = case[what]
+    return applied
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b")
@@ -262,6 +290,11 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--no-sweep", action="store_true", help="skip the FP8 and int4 GEMV sweeps")
     p.add_argument("--sweeps", default="fp8,int4", help="which GEMV sweeps run (fp8, int4)")
+    p.add_argument(
+        "--keep-configs",
+        action="store_true",
+        help="measure the variants with the code's GEMV tables, not this run's sweep winners",
+    )
     p.add_argument("--out")
     args = p.parse_args()
     read_tbps = read_bandwidth_TBps()
@@ -281,6 +314,8 @@ def main() -> None:
         results["gemv_fp8"] = gemv_fp8_sweep()
         if args.out:
             write_json(args.out, results)
+    if not args.keep_configs:  # the variants below run this run's best GEMV configs
+        results["applied_configs"] = apply_best_configs(results)
     for name in filter(None, args.variants.split(",")):
         results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
         if args.out:  # what was measured so far survives a later failure

@@ -41,10 +41,15 @@ from radix_runtime.worker.kernels._triton import tl, triton
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INT4_PLAIN, INT4_NORM, INT4_SILU = 0, 1, 2  # the prologues (as kernels/gemv.py's GEMV_*)
 # (BLOCK_Q quads of rows, BLOCK_KW words per K step, num_warps)
-INT4_GEMV_DEFAULT_CONFIG = (2, 128, 4)
+INT4_GEMV_DEFAULT_CONFIG = (4, 256, 4)
 # per (rows, cols, prologue, add) of the 8B projections, measured on the H200 (bench/quant.py's
 # int4 sweep); other keys get INT4_GEMV_DEFAULT_CONFIG
-INT4_GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {}
+INT4_GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, ...]] = {
+    (6144, 4096, INT4_NORM, False): (4, 256, 4),  # qkv from the residual 8.6 us (bf16 15.8)
+    (4096, 4096, INT4_PLAIN, True): (4, 256, 4),  # o into the residual 7.4 (10.8)
+    (28672, 4096, INT4_NORM, False): (4, 128, 2),  # gate/up from the residual 29.2 (67.5)
+    (4096, 14336, INT4_SILU, True): (4, 256, 4),  # down of SiLU(gate) * up, + residual 18.9 (35.3)
+}
 
 
 @triton.jit
@@ -80,6 +85,25 @@ def _gemv_input(x_row, norm_ptr, col, ok, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
+def _weight_block(w_base, ac_base, kw0, kw_total, q_ok, WG: tl.constexpr, BLOCK_KW: tl.constexpr,
+                  EVEN: tl.constexpr):  # fmt: skip
+    """The [BLOCK_KW, BLOCK_Q, 4] words from word kw0 on, and their groups' a and c."""
+    w = kw0 + tl.arange(0, BLOCK_KW)
+    ac_w = ac_base + ((w // WG) * 8)[:, None, None]
+    if EVEN:  # whole blocks of words and quads: no masks on the weight stream
+        words = tl.load(w_base + (w * 4)[:, None, None], eviction_policy="evict_first")
+        a = tl.load(ac_w)
+        c = tl.load(ac_w + 4)
+    else:
+        ok3 = (w < kw_total)[:, None, None] & q_ok[None, :, None]
+        words = tl.load(w_base + (w * 4)[:, None, None], mask=ok3, other=0,
+                        eviction_policy="evict_first")  # fmt: skip
+        a = tl.load(ac_w, mask=ok3, other=0.0)
+        c = tl.load(ac_w + 4, mask=ok3, other=0.0)
+    return words, a, c
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -99,6 +123,7 @@ def _int4_gemv_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_KW: tl.constexpr,
     EVEN: tl.constexpr,  # K // 8 a multiple of BLOCK_KW and N // 4 of BLOCK_Q
+    PREFETCH: tl.constexpr,  # load the next block's weights before this block's arithmetic
     ASM: tl.constexpr,  # PTX inline assembly (not in Triton's CPU interpreter)
 ):
     WG: tl.constexpr = GROUP // 8  # words per group
@@ -117,20 +142,17 @@ def _int4_gemv_kernel(
     # the quads' first words, and first scales (int32 offsets: a weight has < 2^31 words)
     w_base = qw_ptr + ((quad * kw_total)[None, :, None] * 4 + t[None, None, :])
     ac_base = ac_ptr + ((quad * groups)[None, :, None] * 8 + t[None, None, :])
+    if PREFETCH:  # the first block's words and scales, before the loop
+        words_n, a_n, c_n = _weight_block(w_base, ac_base, 0, kw_total, q_ok, WG, BLOCK_KW, EVEN)
     for kw0 in range(0, kw_total, BLOCK_KW):
         w = kw0 + tl.arange(0, BLOCK_KW)
-        ac_w = ac_base + ((w // WG) * 8)[:, None, None]
         w_ok = w < kw_total  # (the input's loads keep it: one compare per word)
-        if EVEN:  # whole blocks of words and quads: no masks on the weight stream
-            words = tl.load(w_base + (w * 4)[:, None, None], eviction_policy="evict_first")
-            a = tl.load(ac_w)
-            c = tl.load(ac_w + 4)
+        if PREFETCH:  # this block's were loaded a step ago; the next block's loads go out now
+            words, a, c = words_n, a_n, c_n
+            words_n, a_n, c_n = _weight_block(w_base, ac_base, kw0 + BLOCK_KW, kw_total, q_ok,
+                                              WG, BLOCK_KW, False)  # fmt: skip
         else:
-            ok3 = w_ok[:, None, None] & q_ok[None, :, None]
-            words = tl.load(w_base + (w * 4)[:, None, None], mask=ok3, other=0,
-                            eviction_policy="evict_first")  # fmt: skip
-            a = tl.load(ac_w, mask=ok3, other=0.0)
-            c = tl.load(ac_w + 4, mask=ok3, other=0.0)
+            words, a, c = _weight_block(w_base, ac_base, kw0, kw_total, q_ok, WG, BLOCK_KW, EVEN)
         col = w * 8
         x0, s0 = _gemv_input(x_row, norm_ptr, col, w_ok, K, PROLOGUE)
         x1, s1 = _gemv_input(x_row, norm_ptr, col + 1, w_ok, K, PROLOGUE)
@@ -199,7 +221,7 @@ def int4_gemv(
     qweight: torch.Tensor,
     gemv_scales: torch.Tensor,
     group_size: int,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     *,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
@@ -210,7 +232,8 @@ def int4_gemv(
     layout above (`gemv_scales` from `int4_gemv_scales`). As kernels/gemv.py's `gemv`, the input
     can be rmsnorm(x) * norm_weight (`norm_weight`) or silu(x[:, :K]) * x[:, K:] (`silu`,
     x [M, 2K]), and with `add_to` ([M, N]) the product is added into it in place (returned).
-    `config` (BLOCK_Q, BLOCK_KW, num_warps) overrides INT4_GEMV_DEFAULT_CONFIG."""
+    `config` (BLOCK_Q, BLOCK_KW, num_warps[, prefetch]) overrides INT4_GEMV_DEFAULT_CONFIG
+    (prefetch 1: each step loads the next step's weights before its own arithmetic)."""
     if silu and norm_weight is not None:
         raise ValueError("int4_gemv: a norm and a SiLU prologue cannot be combined")
     k = qweight.shape[1] * 8
@@ -227,12 +250,13 @@ def int4_gemv(
     if m == 0:
         return y
     prologue = INT4_SILU if silu else INT4_NORM if norm_weight is not None else INT4_PLAIN
-    block_q, block_kw, warps = config or INT4_GEMV_DEFAULT_CONFIG
+    block_q, block_kw, warps, *prefetch = config or INT4_GEMV_DEFAULT_CONFIG
     _int4_gemv_kernel[(m, triton.cdiv(n // 4, block_q))](
         x, qweight, gemv_scales, y, x if norm_weight is None else norm_weight, n, k, k // 8,
         gemv_scales.shape[1], x.stride(0), y.stride(0), eps, GROUP=group_size, PROLOGUE=prologue,
         ADD=add_to is not None, BLOCK_Q=block_q, BLOCK_KW=block_kw,
-        EVEN=(k // 8) % block_kw == 0 and (n // 4) % block_q == 0, ASM=not _INTERPRET,
+        EVEN=(k // 8) % block_kw == 0 and (n // 4) % block_q == 0,
+        PREFETCH=bool(prefetch and prefetch[0]), ASM=not _INTERPRET,
         num_warps=warps,
     )  # fmt: skip
     return y
