@@ -21,8 +21,8 @@ Ratios against bf16 (`*_vs_bf16`) are what the goals are set on: decode FP8 >= 1
 not a goal).
 
     python bench/quant.py --out docs/results/h200_quant.json
-    python bench/quant.py --variants bf16,int4 --sweeps int4   # int4 vs bf16 (run_h200.sh int4)
-    python bench/quant.py --variants "" --sweeps int4,fp8 --out docs/results/h200_quant_gemv.json
+    python bench/quant.py --variants bf16,fp8,int4 --sweeps int4,fp8 \
+        --out docs/results/h200_quant_kernels.json             # the weights (run_h200.sh int4)
 """
 
 from __future__ import annotations

@@ -110,13 +110,13 @@ GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
 }
 GEMV_DEFAULT_CONFIG = {GEMV_PLAIN: (4, 1024, 4), GEMV_NORM: (8, 512, 4), GEMV_SILU: (8, 1024, 4)}
 # FP8 weights (W8A16 at batch 1), the one-token layer's cases of the 8B shape, measured on the
-# H200 by bench/quant.py's FP8 sweep (us per product there); other keys take the bf16 table's
-# config with FP8_GEMV_ROWS_FACTOR x its rows
+# H200 by bench/quant.py's FP8 sweep (docs/results/h200_quant_gemv.json, us per product); other
+# keys take the bf16 table's config with FP8_GEMV_ROWS_FACTOR x its rows
 FP8_GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
-    (6144, 4096, GEMV_NORM, False): (8, 512, 4),  # qkv from the residual 10.4
-    (4096, 4096, GEMV_PLAIN, True): (4, 1024, 4),  # o into the residual 7.1
-    (28672, 4096, GEMV_NORM, False): (8, 512, 4),  # gate/up from the residual 38.9
-    (4096, 14336, GEMV_SILU, True): (8, 1024, 4),  # down of SiLU(gate) * up, into the residual 21.6
+    (6144, 4096, GEMV_NORM, False): (8, 512, 4),  # qkv from the residual 10.5
+    (4096, 4096, GEMV_PLAIN, True): (4, 1024, 4),  # o into the residual 7.2
+    (28672, 4096, GEMV_NORM, False): (8, 512, 4),  # gate/up from the residual 37.2
+    (4096, 14336, GEMV_SILU, True): (8, 1024, 4),  # down of SiLU(gate) * up, into the residual 20.8
 }
 GEMV_CONFIGS_ENV = "RADIX_RUNTIME_GEMV_CONFIGS"  # a gemv_sweep.py JSON whose best configs win
 

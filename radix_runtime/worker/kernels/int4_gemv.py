@@ -42,13 +42,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INT4_PLAIN, INT4_NORM, INT4_SILU = 0, 1, 2  # the prologues (as kernels/gemv.py's GEMV_*)
 # (BLOCK_Q quads of rows, BLOCK_KW words per K step, num_warps)
 INT4_GEMV_DEFAULT_CONFIG = (4, 256, 4)
-# per (rows, cols, prologue, add) of the 8B projections, measured on the H200 (bench/quant.py's
-# int4 sweep); other keys get INT4_GEMV_DEFAULT_CONFIG
+# per (rows, cols, prologue, add) of the one-token layer's GEMVs of the 8B shape, measured on the
+# H200 (docs/results/h200_quant_kernels.json: us per product, the bf16 GEMV in brackets); other
+# keys get INT4_GEMV_DEFAULT_CONFIG
 INT4_GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, ...]] = {
-    (6144, 4096, INT4_NORM, False): (4, 256, 4),  # qkv from the residual 8.6 us (bf16 15.8)
-    (4096, 4096, INT4_PLAIN, True): (4, 256, 4),  # o into the residual 7.4 (10.8)
-    (28672, 4096, INT4_NORM, False): (4, 128, 2),  # gate/up from the residual 29.2 (67.5)
-    (4096, 14336, INT4_SILU, True): (4, 256, 4),  # down of SiLU(gate) * up, + residual 18.9 (35.3)
+    (6144, 4096, INT4_NORM, False): (4, 256, 4),  # qkv from the residual 8.5 (15.3)
+    (4096, 4096, INT4_PLAIN, True): (4, 512, 8),  # o into the residual 6.2 (11.1)
+    (28672, 4096, INT4_NORM, False): (4, 128, 2),  # gate/up from the residual 28.3 (66.9)
+    (4096, 14336, INT4_SILU, True): (4, 256, 8),  # down of SiLU(gate) * up, + residual 18.2 (35.8)
 }
 
 
