@@ -20,10 +20,14 @@
 #   int4       bench/quant.py: the int4 and FP8 GEMV block sweeps on the one-token layer's fused
 #              GEMVs, then bf16, FP8 and packed int4 (W4A16) decode at batch 1 (with the sweeps'
 #              winners) and prefill 8K in one run -> $OUT/h200_quant_kernels.json
-#   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
+#   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
-#              at batch 64 per --grammar-fill-threads value -> $OUT/h200_grammar_host.json
+#              at batch 64 per --grammar-fill-threads value (0, 4, 8, the default)
+#              -> $OUT/h200_grammar_host.json
+#              (both stages run over .bench_tokenizer/ when the checkout has it: write it here
+#              with `python bench/export_tokenizer.py --out .bench_tokenizer` and carry it; else
+#              the dummy model's 259-token stand-in vocabulary)
 #   host_copy  bench/host_copy.py: the host KV tier's loads / writes of 4,096 pages of the 8B
 #              shape against the pinned copy, runs of 1, 16, 256 pages -> $OUT/h200_host_copy.json
 #   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload (write_through,
@@ -75,6 +79,8 @@ python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 
 python3 -c "import uvloop, httptools; print('uvloop', uvloop.__version__, 'httptools', httptools.__version__)" \
     || echo "no uvloop/httptools: the server runs on asyncio + h11 (bench/fetch_device_wheels.sh)"
 status=0
+TOKENIZER=""  # a real vocabulary for the constrained-decoding stages (bench/export_tokenizer.py)
+[ -d .bench_tokenizer ] && TOKENIZER=.bench_tokenizer
 stages=()
 for stage in "$@"; do
     if [ "$stage" = serving_roofline ]; then
@@ -137,10 +143,12 @@ for stage in "${stages[@]}"; do
                 --repeats 5 --out "$OUT/h200_cached_ttft.json" || status=1 ;;
         structured)
             timeout 580 python3 bench/structured.py --model llama-3.1-8b \
-                --server-args "--load-format dummy" --batch 1,64,256 --tokens 256 \
+                --server-args "--load-format dummy ${TOKENIZER:+--tokenizer $TOKENIZER}" \
+                --batch 1,64 --tokens 128 --schemas 20 --jump-repeats 2 \
                 --out "$OUT/h200_structured.json" || status=1 ;;
         grammar_host)
-            timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,2,4,8 \
+            timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,4,8,auto \
+                ${TOKENIZER:+--tokenizer $TOKENIZER} \
                 --out "$OUT/h200_grammar_host.json" || status=1 ;;
         host_copy)
             timeout 300 python3 bench/host_copy.py --pages 4096 \

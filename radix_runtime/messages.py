@@ -171,6 +171,9 @@ class CacheStats(msgspec.Struct, frozen=True):
     # block (bytes loaded / host_load_runs = the mean copy)
     host_load_runs: int = 0
     host_write_runs: int = 0
+    # time the model's steps waited for the host tier's copies (CUDA: the compute stream,
+    # between reaching a step's copies and passing them; the CPU worker: the copies' wall time)
+    host_copy_wait_s: float = 0.0
 
 
 class GrammarStats(msgspec.Struct, frozen=True):
@@ -380,6 +383,7 @@ class ForwardResult(_Msg):
     results: list[ForwardReqResult]
     forward_s: float = 0.0
     load_s: float = 0.0  # the host -> device loads of this step, as the copy stream timed them
+    copy_wait_s: float = 0.0  # how long this step's model waited for the host tier's copies
 
 
 class CompileGrammar(_Msg):

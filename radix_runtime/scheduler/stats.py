@@ -62,6 +62,7 @@ class Counters:
     host_load_s: float = 0.0
     host_load_runs: int = 0  # runs of consecutive host pages loaded: the worker's copies
     host_write_runs: int = 0
+    host_copy_wait_s: float = 0.0  # the steps' wait for the host tier's copies (worker-timed)
 
 
 class SchedulerStats:
