@@ -17,8 +17,9 @@
 #   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
 #              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
-#   int4       bench/quant.py: bf16 and packed int4 (W4A16, the Triton int4 GEMV) decode at batch 1
-#              and prefill 8K in one run, the int4 GEMV block sweep -> $OUT/h200_quant_int4.json
+#   int4       bench/quant.py: the int4 and FP8 GEMV block sweeps on the one-token layer's fused
+#              GEMVs, then bf16, FP8 and packed int4 (W4A16) decode at batch 1 (with the sweeps'
+#              winners) and prefill 8K in one run -> $OUT/h200_quant_kernels.json
 #   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
@@ -165,8 +166,8 @@ for stage in "${stages[@]}"; do
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
         int4)
-            timeout 420 python3 bench/quant.py --variants bf16,int4 --sweeps int4 \
-                --out "$OUT/h200_quant_int4.json" || status=1 ;;
+            timeout 420 python3 bench/quant.py --variants bf16,fp8,int4 --sweeps int4,fp8 \
+                --out "$OUT/h200_quant_kernels.json" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
                 --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \

@@ -33,5 +33,6 @@ class KernelConfig:
     int4_gemv: bool = True
     int4_gemv_max_rows: int = 4
     int4_gemm_max_rows: int = 256
-    # (BLOCK_N, BLOCK_KW, num_warps) of the int4 GEMV (None: kernels/int4_gemv.py's default)
+    # (BLOCK_N, BLOCK_C, num_warps) of the int4 GEMV for every shape (None: kernels/int4_gemv.py's
+    # INT4_GEMV_CONFIGS table, then its default)
     int4_gemv_config: tuple[int, int, int] | None = None
