@@ -35,6 +35,11 @@ class KernelConfig:
     int4_gemv: bool = True
     int4_gemv_max_rows: int = 4
     int4_gemm_max_rows: int = 256
+    # projections of 2..int4_rows_max_rows rows run the int4 GEMV for a few rows at once (each
+    # weight block made floats once for 2 or 4 rows; ~2.5 SASS instructions per weight and row
+    # against the one-row GEMV's 3.4) before the thresholds above; 0: off, until measured (its
+    # times are bench/quant.py's by_rows int4_gemv_rows_us)
+    int4_rows_max_rows: int = 0
     # (BLOCK_Q, BLOCK_KW, num_warps[, prefetch]) of the int4 GEMV for every shape (None:
     # kernels/int4_gemv.py's INT4_GEMV_CONFIGS table, then its default)
     int4_gemv_config: tuple[int, ...] | None = None
