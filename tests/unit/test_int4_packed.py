@@ -199,7 +199,7 @@ def test_fused_path_picks_the_int4_kernel_by_rows(monkeypatch):
     monkeypatch.setattr(int4_gemv, "int4_gemv", gemv)
     monkeypatch.setattr(int4_gemv, "int4_gemm", gemm)
     monkeypatch.setattr(int4_gemv, "int4_gemv_rows", gemv_rows)
-    ops = FusedOps(KernelConfig(int4_gemv_max_rows=2, int4_gemm_max_rows=16))
+    ops = FusedOps(KernelConfig(int4_gemv_max_rows=2, int4_gemm_max_rows=16, int4_rows_max_rows=0))
     for rows in (1, 2, 3, 16, 17):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(ops.project(x, layer), layer(x), rtol=1e-5, atol=1e-5)
@@ -212,3 +212,8 @@ def test_fused_path_picks_the_int4_kernel_by_rows(monkeypatch):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(ops.project(x, layer), layer(x), rtol=1e-5, atol=1e-5)
     assert calls[4:] == [("gemv", 1), ("rows", 2), ("rows", 8), ("gemm", 9)]
+    # the default (measured on the H200): the few-rows GEMV for 2..16 rows, the GEMM beyond
+    ops = FusedOps(KernelConfig())
+    for rows in (1, 16, 17):
+        ops.project(torch.randn(rows, 128), layer)
+    assert calls[8:] == [("gemv", 1), ("rows", 16), ("gemm", 17)]

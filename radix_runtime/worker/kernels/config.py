@@ -36,10 +36,11 @@ class KernelConfig:
     int4_gemv_max_rows: int = 4
     int4_gemm_max_rows: int = 256
     # projections of 2..int4_rows_max_rows rows run the int4 GEMV for a few rows at once (each
-    # weight block made floats once for 2 or 4 rows; ~2.5 SASS instructions per weight and row
-    # against the one-row GEMV's 3.4) before the thresholds above; 0: off, until measured (its
-    # times are bench/quant.py's by_rows int4_gemv_rows_us)
-    int4_rows_max_rows: int = 0
+    # weight block made floats once for 2 or 4 rows) before the thresholds above; 0: off. On
+    # gate_up (docs/results/h200_quant_kernels.json, by_rows) it beats the one-row GEMV and the
+    # GEMM at 2 / 4 / 8 / 16 rows (39 / 82 / 154 / 299 us against 49 / 88 / 166 us and 334 / 370
+    # us) and loses to the GEMM at 64 (1,129 against 526 us)
+    int4_rows_max_rows: int = 16
     # (BLOCK_Q, BLOCK_KW, num_warps[, prefetch]) of the int4 GEMV for every shape (None:
     # kernels/int4_gemv.py's INT4_GEMV_CONFIGS table, then its default)
     int4_gemv_config: tuple[int, ...] | None = None
