@@ -493,10 +493,14 @@ def tier_stats(sec: dict, turns: list[Turn], rounds: int, url: str, api_key) -> 
 
 
 # the server's histograms (/metrics) a TTFT splits into: the server's own TTFT (from the
-# tokenizer manager), arrival at the scheduler -> first step, first step -> first token; and
-# the steps' pipeline and worker times
-SERVER_TIMES = ("time_to_first_token_seconds", "queue_time_seconds", "prefill_time_seconds",
-                "step_time_seconds", "forward_time_seconds")  # fmt: skip
+# tokenizer manager), the tokenizer's send -> the scheduler's read (inbox), arrival at the
+# scheduler -> first step, first step -> first token, the first token's way back to the
+# tokenizer manager (transit); and the steps' pipeline, worker and worker launch times and the
+# time a finished result waited behind the next launch (held)
+SERVER_TIMES = ("time_to_first_token_seconds", "inbox_time_seconds", "queue_time_seconds",
+                "prefill_time_seconds", "first_token_transit_seconds", "step_time_seconds",
+                "forward_time_seconds", "launch_time_seconds",
+                "result_held_time_seconds")  # fmt: skip
 
 
 def scheduler_times(url: str, api_key) -> dict[str, tuple[float, float]] | None:
@@ -532,6 +536,17 @@ def times_delta(before: dict | None, after: dict | None) -> dict | None:
         out[f"{key}_mean_s"] = (s1 - s0) / n if n else None
         out[f"{key}_count"] = n
     return out
+
+
+def ttft_rest(times: dict) -> float | None:
+    """The server's mean TTFT minus its measured parts (inbox, queue, prefill, transit): the
+    time between them (the scheduler's first token sampled -> sent, the event loops' hops)."""
+    keys = ("time_to_first_token", "inbox_time", "queue_time", "prefill_time",
+            "first_token_transit")  # fmt: skip
+    values = [times.get(f"{k}_mean_s") for k in keys]
+    if any(v is None for v in values):
+        return None
+    return values[0] - sum(values[1:])
 
 
 def measure_pinned_bandwidth() -> float | None:
@@ -644,11 +659,15 @@ def print_tiers(result: dict) -> None:
     for label in labels:
         rates = " ".join(common.fmt(x) for x in result[label]["per_round"]["hit_rate"])
         print(f"  {label:<24}{rates}")
-    print("where a TTFT goes (means, ms; server: from the tokenizer manager; queue: at the "
-          "scheduler until admitted; prefill: admitted -> first token; copy wait: the steps' "
-          "wait for the host tier's copies, per request loaded from the host):")  # fmt: skip
-    print(f"  {'run':<24}{'client':>8}{'server':>8}{'queue':>8}{'prefill':>8}{'step':>8}"
-          f"{'forward':>8}{'copy wait':>10}")  # fmt: skip
+    print("where a TTFT goes (means, ms; server: from the tokenizer manager; inbox: its send "
+          "-> the scheduler's read; queue: at the scheduler until admitted; prefill: admitted "
+          "-> first token; transit: the first token's send -> the tokenizer manager; rest: "
+          "server minus those four; per step: step, forward, the worker's launch, a result held "
+          "behind the next launch; copy wait: the steps' wait for the host tier's copies, per "
+          "request loaded from the host):")  # fmt: skip
+    print(f"  {'run':<24}{'client':>8}{'server':>8}{'inbox':>8}{'queue':>8}{'prefill':>8}"
+          f"{'transit':>8}{'rest':>8}{'step':>8}{'forward':>8}{'launch':>8}{'held':>8}"
+          f"{'copy wait':>10}")  # fmt: skip
     for label in labels:
         sec, times = result[label], result[label].get("scheduler") or {}
         wait = (sec.get("server_cache") or {}).get("host_copy_wait_s")
@@ -660,11 +679,16 @@ def print_tiers(result: dict) -> None:
                 f"{common.fmt(times.get(f'{k}_mean_s'), 1e3, 1):>8}"
                 for k in (
                     "time_to_first_token",
+                    "inbox_time",
                     "queue_time",
                     "prefill_time",
-                    "step_time",
-                    "forward_time",
+                    "first_token_transit",
                 )
+            )
+            + f"{common.fmt(ttft_rest(times), 1e3, 1):>8}"
+            + "".join(
+                f"{common.fmt(times.get(f'{k}_mean_s'), 1e3, 1):>8}"
+                for k in ("step_time", "forward_time", "launch_time", "result_held_time")
             )  # fmt: skip
             + f"{common.fmt(per, 1e3, 1):>10}"
         )

@@ -265,7 +265,9 @@ class SchedulerProcess:
                     # previous step's result when it queued behind that step (overlap)
                     began = max(step.sent_at, self._last_result_at)
                     tokens = sum(p.num_tokens for p in plan)
-                    stats.step(len(plan), tokens, received - began, msg.forward_s)
+                    stats.step(
+                        len(plan), tokens, received - began, msg.forward_s, msg.launch_s, msg.held_s
+                    )
                 self._last_result_at = received
                 self.scheduler.process_result(plan, msg)
                 return
@@ -304,7 +306,7 @@ class SchedulerProcess:
                 checked_idle = False
             outputs = sched.take_outputs()
             if outputs:
-                self.send_tok(m.BatchOutput(outputs=outputs))
+                self.send_tok(m.BatchOutput(outputs=outputs, sent_at=time.perf_counter()))
             self.publish_kv_events()
             if not sched.has_work() and inflight is None and not checked_idle:
                 sched.check_integrity()  # NOTE: a real check; a failure is a bug, so it is fatal
