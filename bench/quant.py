@@ -192,13 +192,15 @@ def gemv_int4_sweep(top: int = 4) -> dict:
     grid on gate_up, the `top` best of it and INT4_NARROW_CONFIGS on the others), against the bf16
     GEMV on the same case:
     us per product and weight TB/s (packed bytes + the GEMV's scales); on gate_up also the GEMV,
-    the int4 GEMM and cuBLAS (bf16) by input rows (the KernelConfig thresholds). Each variant
+    the few-rows GEMV, the int4 GEMM and cuBLAS (bf16) by input rows (the KernelConfig
+    thresholds). Each variant
     runs over distinct weights beyond L2, in one CUDA graph."""
     from bench.gemv_sweep import graph_us
     from radix_runtime.worker.kernels import gemv
     from radix_runtime.worker.kernels.int4_gemv import (
         int4_gemm,
         int4_gemv,
+        int4_gemv_rows,
         int4_gemv_scales,
         interleave_quads,
         pack_int4_rows,
@@ -252,6 +254,10 @@ def gemv_int4_sweep(top: int = 4) -> dict:
                 if m <= 8:
                     t["int4_gemv_us"] = graph_us(
                         [lambda p=p, xm=xm: int4_gemv(xm, *p[:3]) for p in packed]
+                    )
+                if m > 1:
+                    t["int4_gemv_rows_us"] = graph_us(
+                        [lambda p=p, xm=xm: int4_gemv_rows(xm, *p[:3]) for p in packed]
                     )
                 rows[m] = t
             case["by_rows"] = rows

@@ -30,8 +30,9 @@
 #              the dummy model's 259-token stand-in vocabulary)
 #   host_copy  bench/host_copy.py: the host KV tier's loads / writes of 4,096 pages of the 8B
 #              shape against the pinned copy, runs of 1, 16, 256 pages -> $OUT/h200_host_copy.json
-#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload (write_through,
-#              four servers) -> $OUT/h200_hicache_multi_turn_page_major.json
+#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload: device-only,
+#              write_through, write_back, unrestricted (four servers, about 7 minutes)
+#              -> $OUT/h200_hicache_multi_turn_policies.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -158,9 +159,9 @@ for stage in "${stages[@]}"; do
                 --rounds 4 --system-tokens 1024 --context-tokens 1024 --user-tokens 128 \
                 --answer-tokens 128 --max-inflight 6 \
                 --server-args "--load-format dummy --max-total-tokens 22000" \
-                --compare-no-cache --hicache-policies write_through \
+                --hicache-policies write_through,write_back \
                 --hicache-args "--hicache-ratio 6" --unrestricted-tokens 400000 \
-                --out "$OUT/h200_hicache_multi_turn_page_major.json" || status=1 ;;
+                --out "$OUT/h200_hicache_multi_turn_policies.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;

@@ -600,7 +600,9 @@ class ModelRunner:
             input_ids[index[0]] = self.last_sampled[index[1]]
         self._observe_fed(reqs, input_ids, meta.qo_indptr_cpu)
         logit_rows, logit_ranges = self._logit_rows(reqs, meta.qo_indptr_cpu)
-        pages = StepPages(read=np.concatenate(page_rows), written=token_pages)
+        # the arrays the metadata built anyway (fresh copies: later steps' slot resets do not
+        # change them)
+        pages = StepPages(read=meta.kv_page_indices_cpu, written=token_pages)
         return _StepLayout(input_ids, meta, ids, logit_rows, logit_ranges, pages)
 
     def _admit(self, r: m.ForwardReq, n_new: int) -> None:

@@ -71,28 +71,35 @@ def test_a_load_is_ordered_after_earlier_work_on_its_pages():
 def test_copies_that_touch_no_page_of_the_running_steps_overlap_them():
     """The worker names the pages the steps still running read and write (`busy`): a load or a
     write that touches none of them runs while the compute stream is busy; a load into one of
-    them waits for it."""
+    them, or a write of one a running step writes, waits for it."""
     dev, host = _pools()
     host.buffer.fill_(1.0)
     torch.cuda.synchronize()
-    compute = torch.cuda.current_stream()
     none = np.zeros(0, np.int32)
     busy = StepPages(read=np.array([3, 4], np.int32), written=np.array([4], np.int32))
-    torch.cuda._sleep(int(5e8))  # a running step: a few hundred ms on the compute stream
+
+    def running_step() -> torch.cuda.Event:
+        torch.cuda._sleep(int(5e8))  # a few hundred ms on the compute stream
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    step = running_step()
     host.copy(none, none, np.array([9], np.int32), np.array([5], np.int32), False, busy=busy)
     host.copy(np.array([3], np.int32), np.array([20], np.int32), none, none, False, busy=busy)
     host.stream.synchronize()  # the load and the write are done ...
-    assert not compute.query()  # ... while the step still runs
+    assert not step.query()  # ... while the step still runs
     torch.cuda.synchronize()
     assert torch.all(dev.k_buffers[0][5] == 1)
-    torch.cuda._sleep(int(5e8))
+    step = running_step()
     host.copy(none, none, np.array([9], np.int32), np.array([3], np.int32), False, busy=busy)
     host.stream.synchronize()
-    assert compute.query()  # page 3 is read by the running step: the load waited for it
-    torch.cuda._sleep(int(5e8))
+    assert step.query()  # page 3 is read by the running step: the load waited for it
+    step = running_step()
     host.copy(np.array([4], np.int32), np.array([21], np.int32), none, none, False, busy=busy)
     host.stream.synchronize()
-    assert compute.query()  # page 4 is written by the running step: the write waited for it
+    assert step.query()  # page 4 is written by the running step: the write waited for it
+    torch.cuda.synchronize()
 
 
 def test_a_host_page_written_twice_in_a_batch_holds_the_later_write():

@@ -20,6 +20,7 @@ from radix_runtime.worker.kernels import KernelConfig  # noqa: E402
 from radix_runtime.worker.kernels.int4_gemv import (  # noqa: E402
     int4_gemm,
     int4_gemv,
+    int4_gemv_rows,
     int4_gemv_scales,
     int4_gemv_torch,
     interleave_quads,
@@ -54,6 +55,20 @@ def test_int4_gemv_against_reference(n, k, group, m):
     want = int4_gemv_torch(x.float(), qw, s, z, group)
     for config in (None, (1, 32, 1), (2, 128, 4), (4, 128, 4), (8, 256, 8), (4, 64, 2)):
         got = int4_gemv(x, qw, ac, group, config)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 5e-3, config
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("m", [2, 3, 4, 9, 16])
+def test_int4_gemv_rows_against_reference(n, k, group, m):
+    """The few-rows GEMV (2 or 4 input rows per program, row blocks beyond)."""
+    qw, s, z = _packed(n, k, group)
+    ac = int4_gemv_scales(s, z)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    want = int4_gemv_torch(x.float(), qw, s, z, group)
+    for config in (None, (2, 4, 128, 4), (4, 2, 128, 4), (4, 1, 64, 2)):
+        got = int4_gemv_rows(x, qw, ac, group, config)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
         assert rel_err(got, want) < 5e-3, config
 

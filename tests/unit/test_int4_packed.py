@@ -19,6 +19,7 @@ from radix_runtime.worker import quant
 from radix_runtime.worker.kernels.int4_gemv import (
     dequantize_int4,
     int4_gemv,
+    int4_gemv_rows,
     int4_gemv_scales,
     int4_gemv_torch,
     interleave_quads,
@@ -60,9 +61,10 @@ def test_gemv_scales_fold_the_zero_point():
 
 
 def test_the_gemv_kernel_in_the_triton_interpreter():
-    """kernels/int4_gemv.py's GEMV (the float trick for the nibbles, the quad layout, the fused
-    norm / SiLU prologues and the residual epilogue) run by Triton's CPU interpreter against the
-    reference, when Triton is installed (the GPU tests run it compiled)."""
+    """kernels/int4_gemv.py's GEMVs (the float trick for the nibbles, the quad layout, the fused
+    norm / SiLU prologues and the residual epilogue, several rows at once) run by Triton's CPU
+    interpreter against the reference, when Triton is installed (the GPU tests run them
+    compiled)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 to run Triton kernels on the CPU")
@@ -79,6 +81,10 @@ def test_the_gemv_kernel_in_the_triton_interpreter():
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
     got = int4_gemv(x, qw, ac, group, norm_weight=nw, eps=1e-6)
     torch.testing.assert_close(got, int4_gemv_torch(xn, qw, s, z, group), rtol=1e-4, atol=1e-4)
+    for m, config in ((2, None), (3, None), (5, (4, 2, 16, 1)), (2, (2, 1, 32, 1))):
+        xm = torch.randn(m, k)
+        torch.testing.assert_close(int4_gemv_rows(xm, qw, ac, group, config),
+                                   int4_gemv_torch(xm, qw, s, z, group), rtol=1e-4, atol=1e-4)  # fmt: skip
     x2, res = torch.randn(1, 2 * k), torch.randn(1, n)
     want = res + int4_gemv_torch(F.silu(x2[:, :k]) * x2[:, k:], qw, s, z, group)
     got = int4_gemv(x2, qw, ac, group, silu=True, add_to=res.clone())
@@ -166,7 +172,8 @@ def _projections(net):
 def test_fused_path_picks_the_int4_kernel_by_rows(monkeypatch):
     """FusedOps.project on a packed layer: the GEMV up to int4_gemv_max_rows rows, the GEMM up to
     int4_gemm_max_rows, the layer's own (dequantizing) forward beyond, and always with
-    int4_gemv off; the bias is added after a kernel."""
+    int4_gemv off; the few-rows GEMV for 2..int4_rows_max_rows rows when that is set; the bias
+    is added after a kernel."""
     from radix_runtime.worker.kernels import KernelConfig, int4_gemv
     from radix_runtime.worker.kernels.ops import FusedOps
 
@@ -185,12 +192,28 @@ def test_fused_path_picks_the_int4_kernel_by_rows(monkeypatch):
         calls.append(("gemm", x.shape[0]))
         return int4_gemv_torch(x, qweight, scales, zeros, group)
 
+    def gemv_rows(x, qweight, gemv_scales, group, config=None):
+        calls.append(("rows", x.shape[0]))
+        return int4_gemv_torch(x, qweight, layer.scales, layer.zeros, group)
+
     monkeypatch.setattr(int4_gemv, "int4_gemv", gemv)
     monkeypatch.setattr(int4_gemv, "int4_gemm", gemm)
-    ops = FusedOps(KernelConfig(int4_gemv_max_rows=2, int4_gemm_max_rows=16))
+    monkeypatch.setattr(int4_gemv, "int4_gemv_rows", gemv_rows)
+    ops = FusedOps(KernelConfig(int4_gemv_max_rows=2, int4_gemm_max_rows=16, int4_rows_max_rows=0))
     for rows in (1, 2, 3, 16, 17):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(ops.project(x, layer), layer(x), rtol=1e-5, atol=1e-5)
     assert calls == [("gemv", 1), ("gemv", 2), ("gemm", 3), ("gemm", 16)]
     FusedOps(KernelConfig(int4_gemv=False)).project(torch.randn(1, 128), layer)
     assert len(calls) == 4
+    # the few-rows GEMV, when on, takes 2..int4_rows_max_rows rows before the thresholds above
+    ops = FusedOps(KernelConfig(int4_rows_max_rows=8, int4_gemm_max_rows=16))
+    for rows in (1, 2, 8, 9):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(ops.project(x, layer), layer(x), rtol=1e-5, atol=1e-5)
+    assert calls[4:] == [("gemv", 1), ("rows", 2), ("rows", 8), ("gemm", 9)]
+    # the default (measured on the H200): the few-rows GEMV for 2..16 rows, the GEMM beyond
+    ops = FusedOps(KernelConfig())
+    for rows in (1, 16, 17):
+        ops.project(torch.randn(rows, 128), layer)
+    assert calls[8:] == [("gemv", 1), ("rows", 16), ("gemm", 17)]

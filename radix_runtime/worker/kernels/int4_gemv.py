@@ -189,6 +189,132 @@ def _int4_gemv_kernel(
     tl.store(y_ptr + m * y_stride + rows, y.to(y_ptr.dtype.element_ty), mask=q_ok[:, None])
 
 
+@triton.jit
+def _row_step(x_ptr, m, M, x_stride, w, w_ok, f0, f1, f2, f3, f4, f5, f6, f7, a, c, acc):
+    """One input row's share of a block: acc += a * (sum f x - sum x') + c * sum x (the nibble
+    floats f0..f7 made once for all rows)."""
+    ok = w_ok & (m < M)
+    p = x_ptr + m.to(tl.int64) * x_stride + w * 8
+    x0 = tl.load(p, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(p + 1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(p + 2, mask=ok, other=0.0).to(tl.float32)
+    x3 = tl.load(p + 3, mask=ok, other=0.0).to(tl.float32)
+    x4 = tl.load(p + 4, mask=ok, other=0.0).to(tl.float32)
+    x5 = tl.load(p + 5, mask=ok, other=0.0).to(tl.float32)
+    x6 = tl.load(p + 6, mask=ok, other=0.0).to(tl.float32)
+    x7 = tl.load(p + 7, mask=ok, other=0.0).to(tl.float32)
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    xs16 = ((x0 + x2) + (x4 + x6)) * 16.0 + ((x1 + x3) + (x5 + x7))
+    part = f0 * x0[:, None, None] - xs16[:, None, None]
+    part += f1 * x1[:, None, None]
+    part += f2 * x2[:, None, None]
+    part += f3 * x3[:, None, None]
+    part += f4 * x4[:, None, None]
+    part += f5 * x5[:, None, None]
+    part += f6 * x6[:, None, None]
+    part += f7 * x7[:, None, None]
+    acc += a * part
+    acc += c * xs[:, None, None]
+    return acc
+
+
+@triton.jit
+def _row_store(y_ptr, m, M, y_stride, quad, q_ok, t, acc):
+    y = tl.sum(acc, axis=0)  # [BLOCK_Q, 4]
+    out = y_ptr + m.to(tl.int64) * y_stride + quad[:, None] * 4 + t[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=q_ok[:, None] & (m < M))
+
+
+@triton.jit
+def _int4_rows_kernel(
+    x_ptr,
+    qw_ptr,
+    ac_ptr,
+    y_ptr,
+    M,
+    N,
+    kw_total,
+    groups,
+    x_stride,
+    y_stride,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # 2 or 4 input rows per program
+    BLOCK_Q: tl.constexpr,
+    BLOCK_KW: tl.constexpr,
+    EVEN: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """The GEMV for a few input rows at once: each block of weights is loaded and made floats
+    once for BLOCK_M input rows (then one FMA per weight and row), instead of once per row."""
+    WG: tl.constexpr = GROUP // 8
+    m0 = tl.program_id(0) * BLOCK_M  # fastest: the programs of one weight block run together
+    quad = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_ok = quad < N // 4
+    t = tl.arange(0, 4)
+    acc0 = tl.zeros((BLOCK_KW, BLOCK_Q, 4), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_KW, BLOCK_Q, 4), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_KW, BLOCK_Q, 4), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_KW, BLOCK_Q, 4), dtype=tl.float32)
+    w_base = qw_ptr + ((quad * kw_total)[None, :, None] * 4 + t[None, None, :])
+    ac_base = ac_ptr + ((quad * groups)[None, :, None] * 8 + t[None, None, :])
+    for kw0 in range(0, kw_total, BLOCK_KW):
+        w = kw0 + tl.arange(0, BLOCK_KW)
+        w_ok = w < kw_total
+        words, a, c = _weight_block(w_base, ac_base, kw0, kw_total, q_ok, WG, BLOCK_KW, EVEN)
+        f0, f1 = _nibble_floats(words, 0, ASM)
+        f2, f3 = _nibble_floats(words, 1, ASM)
+        f4, f5 = _nibble_floats(words, 2, ASM)
+        f6, f7 = _nibble_floats(words, 3, ASM)
+        fs = (f0, f1, f2, f3, f4, f5, f6, f7)
+        acc0 = _row_step(x_ptr, m0, M, x_stride, w, w_ok, *fs, a, c, acc0)
+        acc1 = _row_step(x_ptr, m0 + 1, M, x_stride, w, w_ok, *fs, a, c, acc1)
+        if BLOCK_M == 4:
+            acc2 = _row_step(x_ptr, m0 + 2, M, x_stride, w, w_ok, *fs, a, c, acc2)
+            acc3 = _row_step(x_ptr, m0 + 3, M, x_stride, w, w_ok, *fs, a, c, acc3)
+    _row_store(y_ptr, m0, M, y_stride, quad, q_ok, t, acc0)
+    _row_store(y_ptr, m0 + 1, M, y_stride, quad, q_ok, t, acc1)
+    if BLOCK_M == 4:
+        _row_store(y_ptr, m0 + 2, M, y_stride, quad, q_ok, t, acc2)
+        _row_store(y_ptr, m0 + 3, M, y_stride, quad, q_ok, t, acc3)
+
+
+def int4_rows_config(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_Q, BLOCK_KW, num_warps) of `int4_gemv_rows` for `m` input rows: 2 or 4
+    rows per program (more rows: several row blocks, the weights then come from L2). Not measured
+    on the GPU yet (bench/quant.py's by_rows, `int4_gemv_rows_us`)."""
+    return (2, 4, 128, 4) if m <= 2 else (4, 2, 128, 4)
+
+
+def int4_gemv_rows(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    gemv_scales: torch.Tensor,
+    group_size: int,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """`int4_gemv` (plain input) for a few rows x [M, K]: every weight block is read and made
+    floats once for BLOCK_M (2 or 4) rows. `config` (BLOCK_M, BLOCK_Q, BLOCK_KW, num_warps)
+    overrides `int4_rows_config(M)`."""
+    k = qweight.shape[1] * 8
+    if gemv_scales.shape[2:] != (2, 4):
+        raise ValueError(f"int4_gemv_rows: gemv_scales {tuple(gemv_scales.shape)}")
+    x, y = _operands("int4_gemv_rows", x, qweight, *gemv_scales.shape[:2], group_size, k)
+    m, n = x.shape[0], y.shape[1]
+    if m == 0:
+        return y
+    block_m, block_q, block_kw, warps = config or int4_rows_config(m)
+    if block_m not in (2, 4):
+        raise ValueError(f"int4_gemv_rows: BLOCK_M {block_m} (2 or 4)")
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n // 4, block_q))
+    _int4_rows_kernel[grid](
+        x, qweight, gemv_scales, y, m, n, k // 8, gemv_scales.shape[1], x.stride(0), y.stride(0),
+        GROUP=group_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_KW=block_kw,
+        EVEN=(k // 8) % block_kw == 0 and (n // 4) % block_q == 0, ASM=not _INTERPRET,
+        num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
 def _operands(
     name: str,
     x: torch.Tensor,

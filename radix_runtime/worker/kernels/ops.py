@@ -81,11 +81,14 @@ class FusedOps:
         """A decoder projection: `linear` for a plain layer; for an FP8 one (worker/quant.py's
         Fp8Linear, which has a `weight_scale`) the scaled GEMV at one row, else its own forward
         (FP8 tensor cores); for a packed int4 one (an Int4Linear, which has a `qweight`) the int4
-        GEMV, the int4 GEMM or its own forward (dequantized per call) by the number of rows."""
+        GEMV (one row, or a few at once), the int4 GEMM or its own forward (dequantized per call)
+        by the number of rows."""
         qweight = getattr(layer, "qweight", None)
         if qweight is not None:
             c, rows = self.config, x.shape[0]
-            if c.int4_gemv and rows <= c.int4_gemv_max_rows:
+            if c.int4_gemv and 1 < rows <= c.int4_rows_max_rows:
+                y = int4_gemv.int4_gemv_rows(x, qweight, layer.gemv_scales, layer.group_size)
+            elif c.int4_gemv and rows <= c.int4_gemv_max_rows:
                 y = int4_gemv.int4_gemv(x, qweight, layer.gemv_scales, layer.group_size,
                                         self._int4_config(qweight, 0, False))  # fmt: skip
             elif c.int4_gemv and rows <= c.int4_gemm_max_rows:
