@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
@@ -203,17 +204,21 @@ async def run_trace(
 
 
 def optimal_per_turn(turns: Sequence[Turn], page_size: int, tokenizer=None) -> list[int] | None:
-    """Optimal cached tokens per turn (issue order). Text mode tokenizes the chat prompts with
-    the model's tokenizer (None if there is none) and the answers as plain text."""
+    """Optimal cached tokens per turn (issue order): against what the server computed, i.e.
+    each prompt and the answer the server generated for it. A replayed run (every target after
+    the first) sends the first run's answers in its next prompts; where its own greedy answer
+    differed (dummy weights give near-tied logits, and batching changes the last bits) no cache
+    could hold the replayed tokens. Text mode tokenizes the chat prompts with the model's
+    tokenizer (None if there is none) and the answers as plain text."""
     if tokenizer is None and turns and isinstance(turns[0].answer, str):
         return None
     pairs = []
     for t in turns:
         if tokenizer is not None:
             prompt = tokenizer.encode_chat(t.prompt)
-            answer = tokenizer.encode(t.answer, add_special_tokens=False)
+            answer = tokenizer.encode(t.result.text, add_special_tokens=False)
         else:
-            prompt, answer = t.prompt, t.answer
+            prompt, answer = t.prompt, t.result.output_ids
         pairs.append((prompt, answer))
     return common.optimal_cached_tokens(pairs, page_size)
 
@@ -319,13 +324,16 @@ def run_targets(targets: list, opts: argparse.Namespace, config: dict) -> dict[s
             server = common.server_config(info, target.url, target.flags)
             config[f"{target.label}_server"] = server
             page_size = server["page_size"]
+            before = scheduler_times(url, opts.api_key)
             turns, duration, lag = common.run_async(
                 run_trace(url, trace, opts, target.label, replay)
             )
+            after = scheduler_times(url, opts.api_key)
             tokenizer = load_tokenizer(info) if opts.text else None
             optimal = optimal_per_turn(turns, page_size, tokenizer)
             sections[target.label] = section(turns, duration, opts.rounds, optimal) | lag
             tier_stats(sections[target.label], turns, opts.rounds, url, opts.api_key)
+            sections[target.label]["scheduler"] = times_delta(before, after)
             if info.get("router"):  # counted since each replica started: warm-ups included
                 sections[target.label]["replicas"] = common.replica_split(url, opts.api_key)
             if replay is None:
@@ -475,12 +483,70 @@ def tier_stats(sec: dict, turns: list[Turn], rounds: int, url: str, api_key) -> 
     load time) and, per round, the bytes loaded from the host."""
     cache = common.get_server_info(url, api_key).get("cache") or {}
     sec["server_cache"] = cache
+    sec["host_loaded_requests"] = sum(1 for t in turns if t.result.host_cached_tokens > 0)
     host_tokens = cache.get("host_cached_tokens") or 0
     per_token = cache.get("host_loaded_bytes", 0) / host_tokens if host_tokens else 0.0
     sec["per_round"]["bytes_loaded"] = [
         sum(t.result.host_cached_tokens for t in turns if t.round == r) * per_token
         for r in range(rounds)
     ]
+
+
+# the server's histograms (/metrics) a TTFT splits into: the server's own TTFT (from the
+# tokenizer manager), the tokenizer's send -> the scheduler's read (inbox), arrival at the
+# scheduler -> first step, first step -> first token, the first token's way back to the
+# tokenizer manager (transit); and the steps' pipeline, worker and worker launch times and the
+# time a finished result waited behind the next launch (held)
+SERVER_TIMES = ("time_to_first_token_seconds", "inbox_time_seconds", "queue_time_seconds",
+                "prefill_time_seconds", "first_token_transit_seconds", "step_time_seconds",
+                "forward_time_seconds", "launch_time_seconds",
+                "result_held_time_seconds")  # fmt: skip
+
+
+def scheduler_times(url: str, api_key) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of each of SERVER_TIMES from the server's /metrics; None without it
+    (--disable-metrics, or a router)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(url + "/metrics", headers=common._headers(api_key), timeout=60)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        name = family.name.removeprefix("radix_runtime:")
+        if name not in SERVER_TIMES:
+            continue
+        total = {s.name.rsplit("_", 1)[-1]: s.value for s in family.samples
+                 if s.name.endswith(("_sum", "_count"))}  # fmt: skip
+        out[name] = (total.get("sum", 0.0), total.get("count", 0.0))
+    return out
+
+
+def times_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The run's mean of each server time (seconds) and its count, from two scrapes."""
+    if not before or not after:
+        return None
+    out = {}
+    for name, (s1, c1) in after.items():
+        s0, c0 = before.get(name, (0.0, 0.0))
+        n = c1 - c0
+        key = name.removesuffix("_seconds")
+        out[f"{key}_mean_s"] = (s1 - s0) / n if n else None
+        out[f"{key}_count"] = n
+    return out
+
+
+def ttft_rest(times: dict) -> float | None:
+    """The server's mean TTFT minus its measured parts (inbox, queue, prefill, transit): the
+    time between them (the scheduler's first token sampled -> sent, the event loops' hops)."""
+    keys = ("time_to_first_token", "inbox_time", "queue_time", "prefill_time",
+            "first_token_transit")  # fmt: skip
+    values = [times.get(f"{k}_mean_s") for k in keys]
+    if any(v is None for v in values):
+        return None
+    return values[0] - sum(values[1:])
 
 
 def measure_pinned_bandwidth() -> float | None:
@@ -516,6 +582,7 @@ def tier_ratios(sections: dict, opts: argparse.Namespace) -> dict:
             "bytes_loaded": cache.get("host_loaded_bytes"),
             "bytes_written": cache.get("host_written_bytes"),
             "load_s": cache.get("host_load_s"),
+            "copy_wait_s": cache.get("host_copy_wait_s"),
         }
         if ref is not None:
             row["ttft_p50_over_unrestricted"] = common.ratio(sec["ttft_p50_s"], ref["ttft_p50_s"])
@@ -592,6 +659,39 @@ def print_tiers(result: dict) -> None:
     for label in labels:
         rates = " ".join(common.fmt(x) for x in result[label]["per_round"]["hit_rate"])
         print(f"  {label:<24}{rates}")
+    print("where a TTFT goes (means, ms; server: from the tokenizer manager; inbox: its send "
+          "-> the scheduler's read; queue: at the scheduler until admitted; prefill: admitted "
+          "-> first token; transit: the first token's send -> the tokenizer manager; rest: "
+          "server minus those four; per step: step, forward, the worker's launch, a result held "
+          "behind the next launch; copy wait: the steps' wait for the host tier's copies, per "
+          "request loaded from the host):")  # fmt: skip
+    print(f"  {'run':<24}{'client':>8}{'server':>8}{'inbox':>8}{'queue':>8}{'prefill':>8}"
+          f"{'transit':>8}{'rest':>8}{'step':>8}{'forward':>8}{'launch':>8}{'held':>8}"
+          f"{'copy wait':>10}")  # fmt: skip
+    for label in labels:
+        sec, times = result[label], result[label].get("scheduler") or {}
+        wait = (sec.get("server_cache") or {}).get("host_copy_wait_s")
+        loaded = sec.get("host_loaded_requests")
+        per = wait / loaded if wait and loaded else None
+        print(
+            f"  {label:<24}{common.fmt(sec.get('ttft_mean_s'), 1e3, 1):>8}"
+            + "".join(
+                f"{common.fmt(times.get(f'{k}_mean_s'), 1e3, 1):>8}"
+                for k in (
+                    "time_to_first_token",
+                    "inbox_time",
+                    "queue_time",
+                    "prefill_time",
+                    "first_token_transit",
+                )
+            )
+            + f"{common.fmt(ttft_rest(times), 1e3, 1):>8}"
+            + "".join(
+                f"{common.fmt(times.get(f'{k}_mean_s'), 1e3, 1):>8}"
+                for k in ("step_time", "forward_time", "launch_time", "result_held_time")
+            )  # fmt: skip
+            + f"{common.fmt(per, 1e3, 1):>10}"
+        )
 
 
 def plot(result: dict, path: str) -> None:

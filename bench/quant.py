@@ -11,15 +11,18 @@ int4`, packed W4A16 with the Triton int4 GEMV for decode; `fp8_kv` = bf16 weight
   since its weights have their own size;
 - prefill of 8,192 tokens in one chunk (wall ms);
 - KV bytes per token (the pool's capacity in a fixed memory budget is inversely proportional);
-- the FP8 GEMV's rows per program against the bf16 GEMV on the two largest projections, and the
-  int4 GEMV's (BLOCK_N, BLOCK_KW, warps) grid on the four 8B projections against the bf16 GEMV
-  (each timed over distinct weights in one CUDA graph, more than L2 holds).
+- the FP8 GEMV's (BLOCK_N, BLOCK_K, warps) and the int4 GEMV's (BLOCK_Q, BLOCK_KW, warps) on the
+  one-token layer's four GEMVs (with their fused norm / SiLU prologues and residual adds), against
+  the bf16 GEMV on the same case (each timed over distinct weights in one CUDA graph, more than
+  L2 holds): what kernels/gemv.py's FP8_GEMV_CONFIGS and kernels/int4_gemv.py's
+  INT4_GEMV_CONFIGS hold.
 Ratios against bf16 (`*_vs_bf16`) are what the goals are set on: decode FP8 >= 1.8x and int4
 >= 3.0x, prefill 8K FP8 >= 1.6x (int4's prefill dequantizes each projection per call: reported,
 not a goal).
 
     python bench/quant.py --out docs/results/h200_quant.json
-    python bench/quant.py --variants bf16,int4 --sweeps int4   # int4 vs bf16 (run_h200.sh int4)
+    python bench/quant.py --variants bf16,fp8,int4 --sweeps int4,fp8 \
+        --out docs/results/h200_quant_kernels.json             # the weights (run_h200.sh int4)
 """
 
 from __future__ import annotations
@@ -101,93 +104,188 @@ def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
     return out
 
 
+# the one-token layer's four GEMVs of the 8B shape: (name, rows, cols, prologue, residual add)
+ROW_CASES = (
+    ("qkv", 6144, 4096, 1, False),  # rmsnorm(residual) * w in
+    ("o", 4096, 4096, 0, True),  # into the residual
+    ("gate_up", 28672, 4096, 1, False),
+    ("down", 4096, 14336, 2, True),  # SiLU(gate) * up in, into the residual
+)
+FP8_CONFIGS = [(2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 4),
+               (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (32, 256, 4),
+               (2, 1024, 8), (4, 512, 4), (4, 1024, 8), (2, 1024, 4)]  # fmt: skip
+# (BLOCK_Q, BLOCK_KW, warps[, prefetch]) (kernels/int4_gemv.py's int4_gemv config)
+INT4_CONFIGS = [(bq, bkw, w) for bq in (1, 2, 4, 8) for bkw, w in
+                ((64, 2), (128, 2), (128, 4), (256, 4), (256, 8))]  # fmt: skip
+INT4_CONFIGS += [(2, 128, 4, 1), (4, 128, 4, 1), (2, 256, 8, 1), (4, 256, 8, 1)]
+# the narrow cases (4,096 rows: few programs) also try more warps per program
+INT4_NARROW_CONFIGS = [(2, 256, 8), (4, 256, 8), (2, 512, 8), (4, 512, 8), (4, 512, 16),
+                       (1, 256, 8), (2, 256, 4), (4, 256, 4), (2, 256, 8, 1), (4, 256, 8, 1),
+                       (2, 128, 4, 1)]  # fmt: skip
+
+
+def _row_inputs(n: int, k: int, prologue: int, add: bool) -> tuple[torch.Tensor, dict]:
+    """The case's input row and the GEMV's fused-op arguments (norm weight, SiLU, residual)."""
+    x = torch.randn(1, 2 * k if prologue == 2 else k, device="cuda", dtype=torch.bfloat16)
+    kw: dict = {}
+    if prologue == 1:
+        kw["norm_weight"] = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    elif prologue == 2:
+        kw["silu"] = True
+    if add:
+        kw["add_to"] = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+    return x, kw
+
+
+def _copies(nbytes: int, total: float = 256e6) -> int:
+    return max(2, int(total // nbytes))
+
+
 def gemv_fp8_sweep() -> dict:
-    """The FP8 GEMV's rows per program (`FP8_GEMV_ROWS_FACTOR` x the bf16 table's BLOCK_N) on the
-    two largest 8B projections, against the bf16 GEMV on the same shape: us and weight TB/s."""
-    out = {f"{n}x{k}": _gemv_case(n, k) for n, k in ((28672, 4096), (4096, 14336))}
-    torch.cuda.empty_cache()
-    print("gemv", out, flush=True)
+    """The FP8 GEMV's (BLOCK_N, BLOCK_K, warps) on the one-token layer's four cases, against the
+    bf16 GEMV on the same case: us per product and weight TB/s, each variant over distinct
+    weights beyond L2 in one CUDA graph (bench/gemv_sweep.py's graph_us)."""
+    from bench.gemv_sweep import graph_us
+    from radix_runtime.worker.kernels import gemv
+
+    out = {}
+    for name, n, k, prologue, add in ROW_CASES:
+        x, kw = _row_inputs(n, k, prologue, add)
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(_copies(2 * n * k))]  # fmt: skip
+        case = {"bf16_us": graph_us([lambda w=w, x=x, kw=kw: gemv.gemv(x, w, **kw) for w in w16])}
+        del w16
+        ws = []
+        for _ in range(_copies(n * k)):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            scale = w.float().abs().amax(1) / 448.0
+            ws.append(((w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale))
+        case["fp8_default_us"] = graph_us(
+            [lambda w=w, x=x, kw=kw: gemv.gemv(x, w[0], w_scale=w[1], **kw) for w in ws]
+        )
+        sweep = {
+            cfg: graph_us(
+                [
+                    lambda w=w, c=cfg, x=x, kw=kw: gemv.gemv(x, w[0], w_scale=w[1], config=c, **kw)
+                    for w in ws
+                ]
+            )
+            for cfg in FP8_CONFIGS
+        }
+        best = min(sweep, key=sweep.get)
+        case.update(
+            fp8_best_config=list(best),
+            fp8_best_us=sweep[best],
+            fp8_best_TBps=n * k / sweep[best] / 1e6,
+            bf16_TBps=2 * n * k / case["bf16_us"] / 1e6,
+            fp8_us={str(list(c)): t for c, t in sorted(sweep.items(), key=lambda kv: kv[1])},
+        )
+        out[f"{name} {n}x{k}"] = case
+        del ws
+        torch.cuda.empty_cache()
+        print("gemv_fp8", name, {k2: v for k2, v in case.items() if k2 != "fp8_us"}, flush=True)
     return out
 
 
-def _gemv_case(n: int, k: int) -> dict:
-    from radix_runtime.worker.kernels import gemv
-
-    base = gemv.GEMV_CONFIGS.get((n, k, gemv.GEMV_PLAIN, False), (4, 1024, 4))
-    w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    scale = w16.float().abs().amax(1) / 448.0
-    w8 = (w16.float() / scale[:, None]).to(torch.float8_e4m3fn)
-    bf16_ms = cuda_time_ms(lambda: gemv.gemv(x, w16), 5, 50)
-    case = {"bf16_us": bf16_ms * 1e3, "bf16_TBps": 2 * n * k / (bf16_ms * 1e-3) / 1e12}
-    for f in (1, 2, 4):
-        cfg = (base[0] * f, base[1], base[2])
-        ms = cuda_time_ms(lambda c=cfg: gemv.gemv(x, w8, w_scale=scale, config=c), 5, 50)
-        case[f"fp8_rows_x{f}_us"] = ms * 1e3
-        case[f"fp8_rows_x{f}_TBps"] = n * k / (ms * 1e-3) / 1e12
-    return case
-
-
-INT4_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
-INT4_CONFIGS = [(bn, bkw, w) for bn in (4, 8, 16) for bkw in (32, 64, 128, 256) for w in (4, 8)]
-
-
-def gemv_int4_sweep(copies_bytes: float = 256e6) -> dict:
-    """The int4 GEMV per (BLOCK_N, BLOCK_KW, warps) on each 8B projection, against the bf16 GEMV
-    on the same shape: us per product and weight TB/s (packed bytes + scales + zeros), best
-    config first; on gate_up also the GEMV, the int4 GEMM and cuBLAS (bf16) by input rows (the
-    KernelConfig thresholds). Each variant runs over distinct weights beyond L2, in one graph."""
+def gemv_int4_sweep(top: int = 4) -> dict:
+    """The int4 GEMV's (BLOCK_Q, BLOCK_KW, warps) on the one-token layer's four cases (the whole
+    grid on gate_up, the `top` best of it and INT4_NARROW_CONFIGS on the others), against the bf16
+    GEMV on the same case:
+    us per product and weight TB/s (packed bytes + the GEMV's scales); on gate_up also the GEMV,
+    the few-rows GEMV, the int4 GEMM and cuBLAS (bf16) by input rows (the KernelConfig
+    thresholds). Each variant
+    runs over distinct weights beyond L2, in one CUDA graph."""
     from bench.gemv_sweep import graph_us
     from radix_runtime.worker.kernels import gemv
-    from radix_runtime.worker.kernels.int4_gemv import int4_gemm, int4_gemv, pack_int4_rows
+    from radix_runtime.worker.kernels.int4_gemv import (
+        int4_gemm,
+        int4_gemv,
+        int4_gemv_rows,
+        int4_gemv_scales,
+        interleave_quads,
+        pack_int4_rows,
+    )
     from radix_runtime.worker.quant import rtn_int4_parts
 
     out = {}
-    for n, k in INT4_SHAPES:
-        copies = max(2, int(copies_bytes // (n * k // 2)))
-        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    order = sorted(ROW_CASES, key=lambda c: c[0] != "gate_up")  # gate_up first: the full grid
+    configs = INT4_CONFIGS
+    for name, n, k, prologue, add in order:
+        x, kw = _row_inputs(n, k, prologue, add)
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(_copies(n * k // 2))]  # fmt: skip
         packed = []
         for w in w16:
             q, z, s, g = rtn_int4_parts(w)
-            packed.append((pack_int4_rows(q), s, z, g))
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        bf16_us = graph_us([lambda w=w, x=x: gemv.gemv(x, w) for w in w16])
+            packed.append((interleave_quads(pack_int4_rows(q)), int4_gemv_scales(s, z), g, s, z))
+        bf16_us = graph_us(
+            [lambda w=w, x=x, kw=kw: gemv.gemv(x, w, **kw) for w in w16[: _copies(2 * n * k)]]
+        )
         del w16
-        int4_bytes = sum(t.numel() * t.element_size() for t in packed[0][:3])
-        sweep = {}
-        for cfg in INT4_CONFIGS:
-            sweep[cfg] = graph_us([lambda p=p, c=cfg, x=x: int4_gemv(x, *p, c) for p in packed])
+        int4_bytes = sum(t.numel() * t.element_size() for t in packed[0][:2])
+        sweep = {
+            cfg: graph_us(
+                [lambda p=p, c=cfg, x=x, kw=kw: int4_gemv(x, *p[:3], c, **kw) for p in packed]
+            )
+            for cfg in configs
+        }
         best = min(sweep, key=sweep.get)
-        default_us = graph_us([lambda p=p, x=x: int4_gemv(x, *p) for p in packed])
-        out[f"{n}x{k}"] = {
+        case = {
             "bf16_us": bf16_us,
             "bf16_TBps": 2 * n * k / bf16_us / 1e6,
-            "int4_default_us": default_us,
+            "int4_bytes": int4_bytes,
             "int4_best_config": list(best),
             "int4_best_us": sweep[best],
             "int4_best_TBps": int4_bytes / sweep[best] / 1e6,
             "int4_best_vs_bf16": bf16_us / sweep[best],
             "int4_us": {str(list(c)): t for c, t in sorted(sweep.items(), key=lambda kv: kv[1])},
         }
-        if (n, k) == (28672, 4096):  # where the GEMV, the GEMM and cuBLAS cross over in rows
+        if name == "gate_up":  # where the GEMV, the int4 GEMM and cuBLAS cross over in rows
+            configs = sorted(sweep, key=sweep.get)[:top]
+            configs += [c for c in INT4_NARROW_CONFIGS if c not in configs]
             w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             rows = {}
-            for m in (1, 2, 4, 8, 16, 64, 256):
+            for m in (1, 2, 4, 8, 16, 64):
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t = {"cublas_bf16_us": graph_us([lambda w=w, xm=xm: F.linear(xm, w) for w in w16])}
-                t["int4_gemm_us"] = graph_us([lambda p=p, xm=xm: int4_gemm(xm, *p) for p in packed])
+                t["int4_gemm_us"] = graph_us(
+                    [lambda p=p, xm=xm: int4_gemm(xm, p[0], p[3], p[4], p[2]) for p in packed]
+                )
                 if m <= 8:
                     t["int4_gemv_us"] = graph_us(
-                        [lambda p=p, xm=xm: int4_gemv(xm, *p) for p in packed]
+                        [lambda p=p, xm=xm: int4_gemv(xm, *p[:3]) for p in packed]
+                    )
+                if m > 1:
+                    t["int4_gemv_rows_us"] = graph_us(
+                        [lambda p=p, xm=xm: int4_gemv_rows(xm, *p[:3]) for p in packed]
                     )
                 rows[m] = t
-            out[f"{n}x{k}"]["by_rows"] = rows
+            case["by_rows"] = rows
             del w16
+        out[f"{name} {n}x{k}"] = case
         del packed
         torch.cuda.empty_cache()
-        print("gemv_int4", f"{n}x{k}", {k2: v for k2, v in out[f"{n}x{k}"].items() if k2 != "int4_us"},
-              flush=True)  # fmt: skip
+        print("gemv_int4", name, {k2: v for k2, v in case.items() if k2 != "int4_us"}, flush=True)
     return out
+
+
+def apply_best_configs(results: dict) -> dict:
+    """The sweeps' best configs into kernels/gemv.py's FP8_GEMV_CONFIGS and kernels/int4_gemv.py's
+    INT4_GEMV_CONFIGS (this process only), so that the variants measured next run them; returns
+    what was applied (the tables to commit when they differ from the code's)."""
+    from radix_runtime.worker.kernels import gemv, int4_gemv
+
+    applied: dict = {}
+    for sweep, table, what in (
+        ("gemv_fp8", gemv.FP8_GEMV_CONFIGS, "fp8_best_config"),
+        ("gemv_int4", int4_gemv.INT4_GEMV_CONFIGS, "int4_best_config"),
+    ):
+        for name, n, k, prologue, add in ROW_CASES:
+            case = results.get(sweep, {}).get(f"{name} {n}x{k}")
+            if case is not None:
+                table[(n, k, prologue, add)] = tuple(case[what])
+                applied.setdefault(sweep, {})[name] = case[what]
+    return applied
 
 
 def main() -> None:
@@ -198,6 +296,11 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--no-sweep", action="store_true", help="skip the FP8 and int4 GEMV sweeps")
     p.add_argument("--sweeps", default="fp8,int4", help="which GEMV sweeps run (fp8, int4)")
+    p.add_argument(
+        "--keep-configs",
+        action="store_true",
+        help="measure the variants with the code's GEMV tables, not this run's sweep winners",
+    )
     p.add_argument("--out")
     args = p.parse_args()
     read_tbps = read_bandwidth_TBps()
@@ -209,11 +312,17 @@ def main() -> None:
         "variants": {},
     }
     sweeps = set() if args.no_sweep else set(args.sweeps.split(","))
-    if "fp8" in sweeps:
-        results["gemv_fp8"] = gemv_fp8_sweep()
     if "int4" in sweeps:
         results["gemv_int4"] = gemv_int4_sweep()
-    for name in args.variants.split(","):
+        if args.out:
+            write_json(args.out, results)
+    if "fp8" in sweeps:
+        results["gemv_fp8"] = gemv_fp8_sweep()
+        if args.out:
+            write_json(args.out, results)
+    if not args.keep_configs:  # the variants below run this run's best GEMV configs
+        results["applied_configs"] = apply_best_configs(results)
+    for name in filter(None, args.variants.split(",")):
         results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
         if args.out:  # what was measured so far survives a later failure
             write_json(args.out, results)

@@ -17,7 +17,9 @@ The number of decode steps is what separates a server's schedule from the ideal:
   ``decode_steps``), i.e. the batch sizes it actually ran.
 
 Output tok/s at the roofline = output tokens / roofline time; the fraction achieved = measured
-output tok/s / that.
+output tok/s / that. Beside it, :func:`serial_decode_s` gives the decode time of an engine whose
+kernels run one after another (no overlap of compute-bound matmuls with bandwidth-bound
+attention): ``output_tok_s_serial``.
 """
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ def workload_roofline(
     decode_s = max(decode_mem_s, d_flops / ceilings.matmul_flops)
     total_s = prefill_s + decode_s
     output = sum(o for _, _, o in requests)
+    serial_s = prefill_s + serial_decode_s(shape, ceilings, requests, decode_steps)
     return {
         "decode_steps": decode_steps,
         "mean_decode_batch": (sum(max(o - 1, 0) for _, _, o in requests) / decode_steps)
@@ -190,7 +193,38 @@ def workload_roofline(
         "total_s": total_s,
         "output_tokens": output,
         "output_tok_s": output / total_s if total_s > 0 else None,
+        "decode_serial_s": serial_s - prefill_s,
+        "total_serial_s": serial_s,
+        "output_tok_s_serial": output / serial_s if serial_s > 0 else None,
     }
+
+
+def serial_decode_s(
+    shape: ModelShape,
+    ceilings: Ceilings,
+    requests: Sequence[tuple[int, int, int]],
+    decode_steps: int,
+) -> float:
+    """Decode time when a step's kernels run one after another, each at its own ceiling: per
+    step the weight matmuls take max(weight bytes / bandwidth, their FLOPs at the mean batch /
+    matmul ceiling), then attention reads every row's KV (max(KV bytes / bandwidth, attention
+    FLOPs / matmul ceiling) over the run). :func:`workload_roofline`'s decode time lets the
+    compute-bound matmuls and the bandwidth-bound attention overlap; this bound does not, so it is
+    what an engine that runs one kernel at a time can reach. The mean batch makes it a lower
+    bound on the sum over steps of their own batch sizes (max(a, b x) is convex in x)."""
+    rows = sum(max(o - 1, 0) for _, _, o in requests)
+    if rows == 0 or decode_steps <= 0:
+        return 0.0
+    weights = shape.num_layers * shape.layer_params + shape.lm_head_params
+    batch = rows / decode_steps
+    matmul_step = max(
+        shape.decode_weight_bytes / ceilings.bandwidth,
+        2 * batch * weights / ceilings.matmul_flops,
+    )
+    kv_bytes = sum(decode_kv_bytes(shape, i, o) for i, _, o in requests)
+    attn_flops = sum(attention_flops(shape, i, i + max(o - 1, 0)) for i, _, o in requests)
+    attention = max(kv_bytes / ceilings.bandwidth, attn_flops / ceilings.matmul_flops)
+    return decode_steps * matmul_step + attention
 
 
 def fraction(measured: float | None, roofline: float | None) -> float | None:

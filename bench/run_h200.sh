@@ -17,16 +17,22 @@
 #   ttft       bench/cached_ttft.py: cached-prefix TTFT through the server (8,192-token prompts,
 #              7,936 cached) -> $OUT/h200_cached_ttft.json
 #   experiments  the same plus diagnostics and variants -> $OUT/gpu_worker_experiments.json
-#   int4       bench/quant.py: bf16 and packed int4 (W4A16, the Triton int4 GEMV) decode at batch 1
-#              and prefill 8K in one run, the int4 GEMV block sweep -> $OUT/h200_quant_int4.json
-#   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
+#   int4       bench/quant.py: the int4 and FP8 GEMV block sweeps on the one-token layer's fused
+#              GEMVs, then bf16, FP8 and packed int4 (W4A16) decode at batch 1 (with the sweeps'
+#              winners) and prefill 8K in one run -> $OUT/h200_quant_kernels.json
+#   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
-#              at batch 64 per --grammar-fill-threads value -> $OUT/h200_grammar_host.json
+#              at batch 64 per --grammar-fill-threads value (0, 4, 8, the default)
+#              -> $OUT/h200_grammar_host.json
+#              (both stages run over .bench_tokenizer/ when the checkout has it: write it here
+#              with `python bench/export_tokenizer.py --out .bench_tokenizer` and carry it; else
+#              the dummy model's 259-token stand-in vocabulary)
 #   host_copy  bench/host_copy.py: the host KV tier's loads / writes of 4,096 pages of the 8B
 #              shape against the pinned copy, runs of 1, 16, 256 pages -> $OUT/h200_host_copy.json
-#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload (write_through,
-#              four servers) -> $OUT/h200_hicache_multi_turn_page_major.json
+#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload: device-only,
+#              write_through, write_back, unrestricted (four servers, about 7 minutes)
+#              -> $OUT/h200_hicache_multi_turn_policies.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -74,6 +80,8 @@ python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 
 python3 -c "import uvloop, httptools; print('uvloop', uvloop.__version__, 'httptools', httptools.__version__)" \
     || echo "no uvloop/httptools: the server runs on asyncio + h11 (bench/fetch_device_wheels.sh)"
 status=0
+TOKENIZER=""  # a real vocabulary for the constrained-decoding stages (bench/export_tokenizer.py)
+[ -d .bench_tokenizer ] && TOKENIZER=.bench_tokenizer
 stages=()
 for stage in "$@"; do
     if [ "$stage" = serving_roofline ]; then
@@ -136,10 +144,12 @@ for stage in "${stages[@]}"; do
                 --repeats 5 --out "$OUT/h200_cached_ttft.json" || status=1 ;;
         structured)
             timeout 580 python3 bench/structured.py --model llama-3.1-8b \
-                --server-args "--load-format dummy" --batch 1,64,256 --tokens 256 \
+                --server-args "--load-format dummy ${TOKENIZER:+--tokenizer $TOKENIZER}" \
+                --batch 1,64 --tokens 128 --schemas 20 --jump-repeats 2 \
                 --out "$OUT/h200_structured.json" || status=1 ;;
         grammar_host)
-            timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,2,4,8 \
+            timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,4,8,auto \
+                ${TOKENIZER:+--tokenizer $TOKENIZER} \
                 --out "$OUT/h200_grammar_host.json" || status=1 ;;
         host_copy)
             timeout 300 python3 bench/host_copy.py --pages 4096 \
@@ -149,15 +159,15 @@ for stage in "${stages[@]}"; do
                 --rounds 4 --system-tokens 1024 --context-tokens 1024 --user-tokens 128 \
                 --answer-tokens 128 --max-inflight 6 \
                 --server-args "--load-format dummy --max-total-tokens 22000" \
-                --compare-no-cache --hicache-policies write_through \
+                --hicache-policies write_through,write_back \
                 --hicache-args "--hicache-ratio 6" --unrestricted-tokens 400000 \
-                --out "$OUT/h200_hicache_multi_turn_page_major.json" || status=1 ;;
+                --out "$OUT/h200_hicache_multi_turn_policies.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
         int4)
-            timeout 420 python3 bench/quant.py --variants bf16,int4 --sweeps int4 \
-                --out "$OUT/h200_quant_int4.json" || status=1 ;;
+            timeout 420 python3 bench/quant.py --variants bf16,fp8,int4 --sweeps int4,fp8 \
+                --out "$OUT/h200_quant_kernels.json" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
                 --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \

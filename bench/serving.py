@@ -295,6 +295,7 @@ def roofline_summary(
         "roofline_fraction": roofline.fraction(output_tok_s, ideal["output_tok_s"]),
         "roofline_run": ran,
         "roofline_run_fraction": roofline.fraction(output_tok_s, ran["output_tok_s"]),
+        "roofline_serial_fraction": roofline.fraction(output_tok_s, ran["output_tok_s_serial"]),
         "retractions": after.get("retractions", 0) - before.get("retractions", 0),
         "max_running_requests": after.get("max_running_requests"),
         "pool_tokens": after["max_total_tokens"],
@@ -420,6 +421,12 @@ def print_roofline(result: dict) -> None:
                     f"{common.fmt(ran['mean_decode_batch'], 1, 1)}, roofline "
                     f"{common.fmt(ran['output_tok_s'], 1, 0)} tok/s; retractions "
                     f"{row['retractions']}; max running {row['max_running_requests']})"
+                )
+                print(
+                    f"{name}: roofline_serial_fraction "
+                    f"{common.fmt(row['roofline_serial_fraction'])}  (the run's decode steps "
+                    f"with one kernel at a time: {common.fmt(ran['output_tok_s_serial'], 1, 0)} "
+                    f"tok/s)"
                 )
             print(f"{name}: itl_p99_over_p50 {common.fmt(row['itl_p99_over_p50'])}  (goal <= 3)")
 

@@ -90,8 +90,9 @@ class ServerArgs:
     kv_events_replay_endpoint: str | None = None
     # constrained decoding: threads compiling grammars in the worker (off its step loop)
     grammar_compile_threads: int = 2
-    # constrained decoding: threads filling a batch's token masks (0: one after another)
-    grammar_fill_threads: int = 0
+    # constrained decoding: threads filling a batch's token masks (0: one after another; None:
+    # resolved by the worker, auto_grammar_fill_threads)
+    grammar_fill_threads: int | None = None
     # constrained decoding: append the tokens a grammar forces (fixed JSON keys) in one step
     enable_jump_forward: bool = False
     # process hygiene
@@ -191,7 +192,7 @@ class ServerArgs:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.grammar_compile_threads < 1:
             raise ValueError("--grammar-compile-threads must be >= 1")
-        if self.grammar_fill_threads < 0:
+        if self.grammar_fill_threads is not None and self.grammar_fill_threads < 0:
             raise ValueError("--grammar-fill-threads must be >= 0")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
@@ -246,6 +247,22 @@ def auto_max_running_requests(pool_tokens: int, graph_max_bs: int | None = None)
     eagerly, which cost more than the extra requests gained on the H200 (docs/serving_roofline.md)."""
     slots = min(AUTO_MAX_RUNNING, max(AUTO_MIN_RUNNING, pool_tokens // AUTO_TOKENS_PER_REQUEST))
     return slots if graph_max_bs is None else min(slots, graph_max_bs)
+
+
+# --grammar-fill-threads by default on CUDA: half the worker's cores (the step's own thread,
+# the grammar compile threads and the front's processes keep the rest), at most this many
+AUTO_MAX_FILL_THREADS = 8
+
+
+def auto_grammar_fill_threads(device_type: str, cores: int) -> int:
+    """The default of --grammar-fill-threads for a worker on `device_type` ("cuda" / "cpu")
+    that may run on `cores` cores. On CUDA the masks are filled while the device runs the
+    forward: more threads shorten the host's share of a constrained step (docs/decisions.md,
+    "Grammar mask fill threads"). On the CPU the forward itself uses every core (torch's
+    intra-op threads), so the fill stays on the step's thread."""
+    if device_type != "cuda":
+        return 0
+    return max(0, min(AUTO_MAX_FILL_THREADS, cores // 2))
 
 
 def _flag(name: str) -> str:
@@ -321,7 +338,9 @@ _HELP = {
     "grammar_compile_threads": "threads compiling grammars (JSON schema, regex, EBNF) in the "
     "worker, off its step loop",
     "grammar_fill_threads": "threads filling a batch's grammar token masks in the worker "
-    "(xgrammar's BatchGrammarMatcher; 0: one matcher after another on the step's thread)",
+    "(xgrammar's BatchGrammarMatcher; 0: one matcher after another on the step's thread; "
+    "default: on CUDA min(8, half the cores the worker may use), on the CPU 0: torch's "
+    "threads use those cores; docs/structured_output.md)",
     "api_key": "require 'Authorization: Bearer KEY' on every route but /health (give it "
     "several times for several keys)",
     "api_key_file": "a file of API keys, one per line: KEY [TENANT] (keys of one tenant share its "
@@ -380,7 +399,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                 kwargs["type"] = int
             elif isinstance(default, float):
                 kwargs["type"] = float
-            elif f.name in ("max_total_tokens", "context_length", "max_running_requests"):
+            elif f.name in (
+                "max_total_tokens",
+                "context_length",
+                "max_running_requests",
+                "grammar_fill_threads",
+            ):
                 kwargs["type"] = int
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
     parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp", type=int,
@@ -406,5 +430,6 @@ __all__ = [
     "DEFAULT_MODEL",
     "add_server_args",
     "args_from_namespace",
+    "auto_grammar_fill_threads",
     "auto_max_running_requests",
 ]

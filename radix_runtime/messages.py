@@ -121,6 +121,9 @@ class GenerateReq(_Msg):
     # the radix tree namespace the request shares cached KV in ("": the public one); set by the
     # tokenizer process from the cache salt and/or the caller's API key, never sent raw
     cache_namespace: str = ""
+    # time.perf_counter() when the tokenizer manager sent it (the same host's monotonic clock):
+    # the scheduler's `inbox_time` is its read time minus this
+    sent_at: float = 0.0
 
 
 class AbortReq(_Msg):
@@ -171,6 +174,9 @@ class CacheStats(msgspec.Struct, frozen=True):
     # block (bytes loaded / host_load_runs = the mean copy)
     host_load_runs: int = 0
     host_write_runs: int = 0
+    # time the model's steps waited for the host tier's copies (CUDA: the compute stream,
+    # between reaching a step's copies and passing them; the CPU worker: the copies' wall time)
+    host_copy_wait_s: float = 0.0
 
 
 class GrammarStats(msgspec.Struct, frozen=True):
@@ -286,6 +292,9 @@ class ReqOutput(msgspec.Struct, omit_defaults=True):
 
 class BatchOutput(_Msg):
     outputs: list[ReqOutput]
+    # time.perf_counter() when the scheduler sent it: the tokenizer manager's
+    # `first_token_transit` is its receipt of a first token minus this
+    sent_at: float = 0.0
 
 
 class SchedulerReady(_Msg):
@@ -380,6 +389,13 @@ class ForwardResult(_Msg):
     results: list[ForwardReqResult]
     forward_s: float = 0.0
     load_s: float = 0.0  # the host -> device loads of this step, as the copy stream timed them
+    copy_wait_s: float = 0.0  # how long this step's model waited for the host tier's copies
+    # the worker's host time to launch this step (ModelRunner.launch + sample: host preparation,
+    # the host tier's copies queued, the model and sampling enqueued)
+    launch_s: float = 0.0
+    # how long this step's collection waited behind the launch of the step after it (the overlap
+    # schedule launches N+1 before collecting N): a result the device had ready sat this long
+    held_s: float = 0.0
 
 
 class CompileGrammar(_Msg):

@@ -111,3 +111,46 @@ def check_min_tokens(device: torch.device) -> None:
         sampler.note_sampled([0], step, ids, None)
         picks.append(int(ids[0]))
     assert picks == [100, 100, 100, EOS, EOS]
+
+
+def bits(row: torch.Tensor) -> set[int]:
+    """The token ids an int32 bitmask row allows."""
+    return {w * 32 + b for w in range(len(row)) for b in range(32) if int(row[w]) >> b & 1}
+
+
+def check_padded_vocabulary(device: torch.device) -> None:
+    """A model with more logits columns than its tokenizer has ids: xgrammar's vocabulary is
+    the tokenizer's (no padding as special tokens, which made every accept scan them), the masks
+    over it equal those of a padded vocabulary, and the sampler never lets a constrained row
+    pick a column past it (an unconstrained row still may)."""
+    import xgrammar as xgr
+
+    from radix_runtime.grammar.compiler import GrammarCache
+
+    tokenizer, _ = grammar_cache()
+    n, vocab = tokenizer.vocab_size, tokenizer.vocab_size + 77
+    cache = GrammarCache(lambda: tokenizer, vocab, [2])
+    assert cache.info.vocab_size == n and cache.info.stop_token_ids == [2]
+    cache.submit("regex", REGEX)
+    padded_info = xgr.TokenizerInfo(
+        list(cache.info.decoded_vocab) + [b""] * (vocab - n),
+        vocab_type=xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=[2],
+    )  # fmt: skip
+    padded = xgr.GrammarMatcher(xgr.GrammarCompiler(padded_info).compile_regex(REGEX))
+    sampler = Sampler(vocab, device, seed=0, eos_token_ids=[2], grammars=cache, fill_threads=2)
+    sampler.reset_slot(0, SamplingParams(temperature=0.0, regex=REGEX))
+    sampler.reset_slot(1, SamplingParams(temperature=0.0))
+    gen = torch.Generator().manual_seed(0)
+    for step in range(8):
+        bitmask, rows = sampler.grammar_masks([0, 1])
+        assert rows == [0] and bitmask.shape[1] == (n + 31) // 32
+        reference = xgr.allocate_token_bitmask(1, vocab)
+        padded.fill_next_token_bitmask(reference)
+        assert bits(reference[0]) == {t for t in bits(bitmask[0]) if t < n}
+        logits = torch.randn(2, vocab, generator=gen).to(device)
+        logits[:, n:] = 100.0  # the columns without a token win unless masked
+        sampler.apply_constraints(logits, [0, 1])
+        ids = logits.argmax(dim=-1)
+        assert int(ids[0]) < n and int(ids[1]) >= n
+        sampler.note_sampled([0, 1], step, ids.cpu(), None)
+        assert padded.accept_token(int(ids[0]))

@@ -13,9 +13,13 @@ Output formats (the ``--tool-call-parser``):
 
 One incremental parser serves both streaming and non-streaming responses: a non-streamed reply
 is the same parser fed the whole text at once, so the streamed deltas always reassemble to the
-non-streamed message. In the grammar-forced ``json`` format a call's arguments stream as they
-are generated (the name first, then argument fragments); in ``hermes`` / ``llama3`` a call is
-sent once it is complete and valid, since free text may turn out not to be a call.
+non-streamed message. A call's arguments stream as they are generated (its id and name first,
+then argument fragments) in the grammar-forced ``json`` format and in ``hermes``: there a
+``<tool_call>`` block is a call from the moment its head ``{"name": "<an offered function>",
+"arguments": {`` is out; its arguments are the model's text up to the end of that object, cut
+where the block closes first or a character JSON does not allow outside a string appears (as a
+reply cut by max_tokens is); blocks of any other shape are parsed once complete. In ``llama3``
+a call is sent once the reply is complete and valid, since free text may turn out not to be one.
 """
 
 from __future__ import annotations
@@ -335,26 +339,36 @@ class ParseStep:
     deltas: list[dict] = field(default_factory=list)
 
 
-# required: an item of the forced list up to its arguments object
+# required: an item of the forced list up to its arguments object (hermes: a block's start)
 _LIST_HEAD = re.compile(
     r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)'
 )
 
 
-class _ObjectScan:
-    """Where a JSON object starting at `pos` of a growing text ends (brackets outside strings)."""
+# what a JSON value may hold outside its strings (true, false, null and numbers)
+_JSON_OUTSIDE_STRINGS = frozenset(" \t\n\r{}[],:-+.0123456789eEtrufalsn")
 
-    def __init__(self, pos: int) -> None:
+
+class _ObjectScan:
+    """Where a JSON object starting at `pos` of a growing text ends (brackets outside strings).
+    `strict`: it also ends (`cut`) before a character JSON does not allow outside a string
+    (free text: the model's object may be malformed)."""
+
+    def __init__(self, pos: int, strict: bool = False) -> None:
         self.pos = pos
         self.depth = 0
         self.in_string = False
         self.escaped = False
         self.done = False
+        self.strict = strict
+        self.cut = False
 
-    def advance(self, text: str) -> int:
-        """Scan what `text` added; the position scanned to (the object's end once done)."""
+    def advance(self, text: str, limit: int | None = None) -> int:
+        """Scan what `text` added (up to `limit`); the position scanned to (the object's end
+        once done)."""
         i = self.pos
-        while i < len(text) and not self.done:
+        end = len(text) if limit is None else limit
+        while i < end and not self.done:
             c = text[i]
             if self.in_string:
                 if self.escaped:
@@ -370,6 +384,9 @@ class _ObjectScan:
             elif c in "}]":
                 self.depth -= 1
                 self.done = self.depth == 0
+            elif self.strict and c not in _JSON_OUTSIDE_STRINGS:
+                self.done = self.cut = True
+                break
             i += 1
         self.pos = i
         return i
@@ -404,6 +421,7 @@ class ToolCallParser:
         self._list_broken = False
         # the call whose arguments are streaming (required / named: the grammar guarantees them)
         self._streaming: tuple[ToolCall | None, _ObjectScan] | None = None
+        self._args_end: int | None = None  # hermes: where the streamed call's arguments ended
         self._forced_state = "start"  # named: start | args | done | content
 
     # --- public
@@ -425,16 +443,16 @@ class ToolCallParser:
 
     # --- arguments streamed as they are generated (the grammar-forced formats)
 
-    def _start_streaming(self, step: ParseStep, name: str, pos: int) -> None:
+    def _start_streaming(self, step: ParseStep, name: str, pos: int, strict: bool = False) -> None:
         call = ToolCall(len(self.calls), new_call_id(), name, "")
-        self._streaming = (call if self._add(step, call) else None, _ObjectScan(pos))
+        self._streaming = (call if self._add(step, call) else None, _ObjectScan(pos, strict))
 
-    def _stream_arguments(self, step: ParseStep) -> int | None:
-        """Send the arguments text that arrived; where the arguments object ends once it is
-        complete, else None."""
+    def _stream_arguments(self, step: ParseStep, limit: int | None = None) -> int | None:
+        """Send the arguments text that arrived (up to `limit`); where the arguments object
+        ends once it is complete, else None."""
         call, scan = self._streaming
         start = scan.pos
-        end = scan.advance(self._buf)
+        end = scan.advance(self._buf, limit)
         if call is not None and end > start:
             fragment = self._buf[start:end]
             call.arguments += fragment
@@ -509,6 +527,32 @@ class ToolCallParser:
     def _hermes(self, final: bool) -> ParseStep:
         step = ParseStep()
         while True:
+            if self._in_block and self._streaming is None and self._args_end is None:
+                self._hermes_head(step)
+            if self._in_block and self._streaming is not None:
+                close = self._buf.find(HERMES_CLOSE)
+                if close >= 0:  # the block ends there, whatever the arguments' brackets say
+                    limit = close
+                elif final:
+                    limit = len(self._buf)
+                else:  # what may be the start of `</tool_call>` waits for the next piece
+                    limit = len(self._buf) - _partial_suffix(self._buf, HERMES_CLOSE)
+                end = self._stream_arguments(step, limit)
+                if end is None:
+                    if close < 0 and not final:
+                        return step
+                    self._streaming, end = None, limit  # cut by the block's or the reply's end
+                self._args_end = end
+            if self._in_block and self._args_end is not None:
+                # the rest of a streamed call's block (its closing brace) is not content
+                close = self._buf.find(HERMES_CLOSE, self._args_end)
+                if close < 0 and not final:
+                    return step
+                self._buf = "" if close < 0 else self._buf[close + len(HERMES_CLOSE) :]
+                self._in_block, self._args_end = False, None
+                if close < 0:
+                    return self._flush_final(step)
+                continue
             if self._in_block:
                 end = self._buf.find(HERMES_CLOSE)
                 if end < 0 and not final:
@@ -540,6 +584,19 @@ class ToolCallParser:
             self._content(step, self._buf[: len(self._buf) - keep], hold_blank=True)
             self._buf = self._buf[len(self._buf) - keep :]
             return step
+
+    def _hermes_head(self, step: ParseStep) -> None:
+        """Start streaming the block's call once its head names an offered function and its
+        arguments object opens (other shapes wait for the block's end)."""
+        head = _LIST_HEAD.match(self._buf, len(self._buf) - len(self._buf.lstrip()))
+        if head is None:
+            return
+        name = _loads(f'"{head.group(1)}"')
+        close = self._buf.find(HERMES_CLOSE)
+        if name not in self.names or 0 <= close < head.end():
+            return
+        self._blank = ""  # blanks before a call are not content
+        self._start_streaming(step, name, head.end(), strict=True)
 
     def _content(self, step: ParseStep, text: str, hold_blank: bool = False) -> None:
         if not text:

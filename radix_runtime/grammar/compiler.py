@@ -9,7 +9,8 @@ scheduler still believed compiled).
 The xgrammar TokenizerInfo is built from OUR tokenizer (radix_runtime.tokenizer): every token's
 exact bytes (`Tokenizer.token_bytes`, which handles byte-level BPE, sentencepiece byte fallback
 and added tokens alike) as a RAW vocabulary, special tokens as empty strings (never allowed inside
-a grammar), the model's EOS ids as the stop tokens, padded to the model's logits width.
+a grammar), the model's EOS ids as the stop tokens; the logits columns past the tokenizer's
+ids (a model's padded vocabulary) are masked by the sampler, not by xgrammar.
 """
 
 from __future__ import annotations
@@ -33,15 +34,26 @@ KINDS = ("json_schema", "json", "regex", "ebnf")
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
-    """xgrammar's view of `tokenizer` for a model whose logits have `vocab_size` columns."""
+    """xgrammar's view of `tokenizer` for a model whose logits have `vocab_size` columns: the
+    tokenizer's ids only (at most `vocab_size`). The logits columns past them have no token;
+    the sampler never allows them in a constrained row (`Sampler.apply_constraints`). Padding
+    them here as empty (special) tokens would cost every accepted token a scan of xgrammar's
+    special-token list: ~50 us per token for a 259-token vocabulary under 128,256 columns.
+
+    The stop tokens: the model's EOS ids the tokenizer has, else (dummy weights with a
+    stand-in tokenizer) the tokenizer's own EOS ids."""
     n = min(tokenizer.vocab_size, vocab_size)
     vocab = [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i) for i in range(n)]
-    vocab += [b""] * (vocab_size - n)  # logits columns without a token: never allowed
+    stops = [t for t in stop_token_ids if 0 <= t < n]
+    if not stops:
+        stops = [t for t in tokenizer.eos_token_ids if 0 <= t < n]
+        logger.warning(
+            "grammar: the model's EOS ids %s are not in the tokenizer's %d ids: a grammar stops "
+            "on the tokenizer's %s",
+            list(stop_token_ids), n, stops,
+        )  # fmt: skip
     return xgr.TokenizerInfo(
-        vocab,
-        vocab_type=xgr.VocabType.RAW,
-        vocab_size=vocab_size,
-        stop_token_ids=list(stop_token_ids),
+        vocab, vocab_type=xgr.VocabType.RAW, vocab_size=n, stop_token_ids=stops
     )
 
 

@@ -9,7 +9,8 @@ N+1's forward already runs on the device.
 
 `BatchMasks` fills a batch's masks: xgrammar's `BatchGrammarMatcher` over `threads` threads (or,
 with 0 threads, one matcher after another on the step's thread), into pinned host memory on
-CUDA, so the copy to the device is queued without waiting for the device.
+CUDA, so the copy to the device is queued without waiting for the device. The masks cover the
+tokenizer's ids; the logits columns past them (a padded vocabulary) are the sampler's to mask.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def resolve_all(grammars: list[SlotGrammar], step: int | None = None) -> None:
 
 
 class BatchMasks:
-    """The token masks of a batch's constrained rows, filled on the host."""
+    """The token masks of a batch's constrained rows, filled on the host, over the grammar's
+    `vocab_size` ids (the tokenizer's: `GrammarCache.info`)."""
 
     def __init__(self, vocab_size: int, threads: int) -> None:
         self.vocab_size = vocab_size
@@ -169,13 +171,13 @@ class BatchMasks:
         if len(rows) < len(grammars):  # the rows no grammar fills allow every token
             others = sorted(set(range(len(grammars))) - set(rows))
             bitmask.index_fill_(0, torch.tensor(others), -1)
+        matchers = [grammars[i].matcher for i in rows]
         if self._batch is not None:
-            self._batch.batch_fill_next_token_bitmask(
-                [grammars[i].matcher for i in rows], bitmask, rows
-            )
-            return bitmask, rows
-        # one by one, skipping the rows the grammar leaves unconstrained here
-        return bitmask, [i for i in rows if grammars[i].matcher.fill_next_token_bitmask(bitmask, i)]
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        else:  # a row the grammar leaves unconstrained here is filled with every token allowed
+            for i, matcher in zip(rows, matchers):
+                matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask, rows
 
 
 def clear_tokens(bitmask_row: torch.Tensor, token_ids: list[int]) -> None:

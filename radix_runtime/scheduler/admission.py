@@ -112,6 +112,8 @@ class Admission:
             arrived_at=time.perf_counter(),
         )
         self.arrivals += 1
+        if self.stats is not None and msg.sent_at > 0:
+            self.stats.arrived(req.arrived_at - msg.sent_at)
         self.queues.reqs[req.rid] = req
         key = msg.sampling.grammar
         if key is not None:

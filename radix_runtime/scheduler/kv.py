@@ -273,6 +273,7 @@ class KvBook:
     def observe_step(self, plan, result: ForwardResult) -> None:
         """Feed the cost model: prefill throughput of this step, and the loads' time."""
         self.counters.host_load_s += result.load_s
+        self.counters.host_copy_wait_s += result.copy_wait_s
         tokens = sum(p.num_tokens for p in plan if p.num_tokens > 1)
         if tokens >= PREFILL_SAMPLE_MIN_TOKENS and result.forward_s > 0:
             tps = tokens / result.forward_s
@@ -339,6 +340,7 @@ class KvBook:
             host_load_bandwidth=self.load_bandwidth,
             host_load_runs=c.host_load_runs,
             host_write_runs=c.host_write_runs,
+            host_copy_wait_s=c.host_copy_wait_s,
         )
 
     def check_integrity(self, running: list[Req]) -> None:

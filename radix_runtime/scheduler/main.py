@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -265,7 +266,9 @@ class SchedulerProcess:
                     # previous step's result when it queued behind that step (overlap)
                     began = max(step.sent_at, self._last_result_at)
                     tokens = sum(p.num_tokens for p in plan)
-                    stats.step(len(plan), tokens, received - began, msg.forward_s)
+                    stats.step(
+                        len(plan), tokens, received - began, msg.forward_s, msg.launch_s, msg.held_s
+                    )
                 self._last_result_at = received
                 self.scheduler.process_result(plan, msg)
                 return
@@ -291,25 +294,77 @@ class SchedulerProcess:
         sent the next one is built and sent before N's result is processed when that is easy
         (`Scheduler.schedule_ahead`), so the worker receives N+1 while it computes N; otherwise
         (and with --disable-overlap-schedule) N's result is processed first and the next step
-        is scheduled as usual (`advance`)."""
+        is scheduled as usual (`advance`). Idle, it blocks on its sockets; the integrity check
+        waits for a quiet moment (`IdleCheck`)."""
         sched = self.scheduler
-        checked_idle = False
+        idle_check = IdleCheck()
         inflight: tuple[list, InFlight] | None = None  # sent, result not processed yet
         while self.running:
             busy = sched.has_work() or inflight is not None
-            self.drain_inputs(timeout_ms=0 if busy else 500, worker=inflight is None)
+            wait_ms = 0 if busy else idle_check.wait_ms(time.monotonic())
+            self.drain_inputs(timeout_ms=wait_ms, worker=inflight is None)
             self.send_worker_messages()
             inflight, finished = advance(sched, inflight, self.send_batch, self.finish_step)
             if finished:
-                checked_idle = False
+                idle_check.stepped()
             outputs = sched.take_outputs()
             if outputs:
-                self.send_tok(m.BatchOutput(outputs=outputs))
+                self.send_tok(m.BatchOutput(outputs=outputs, sent_at=time.perf_counter()))
             self.publish_kv_events()
-            if not sched.has_work() and inflight is None and not checked_idle:
+            if sched.has_work() or inflight is not None:
+                idle_check.busy()
+            elif idle_check.due(time.monotonic()):
                 sched.check_integrity()  # NOTE: a real check; a failure is a bug, so it is fatal
-                checked_idle = True
+                idle_check.checked()
         self.to_worker.send(m.encode(m.ShutdownReq()))
+
+
+class IdleCheck:
+    """When the scheduler runs `check_integrity`: once per idle period, after the steps of the
+    busy period before it, and only once no work has arrived for `grace_s`.
+
+    NOTE: the check walks every page of the pool (O(pool): ~5 ms at 800K pages) and the loop
+    answers nothing while it runs, so run at the first idle moment it would sit in front of
+    the next request of a client that sends one right after its previous answer (a chat turn,
+    a benchmark): that request would wait for it. After `grace_s` of quiet it costs nobody."""
+
+    # how long the scheduler stays idle before it checks (a client's next request usually
+    # comes sooner: the answer's round trip); idle, the loop otherwise wakes every IDLE_POLL_MS
+    GRACE_S = 0.05
+    IDLE_POLL_MS = 500
+
+    def __init__(self, grace_s: float = GRACE_S) -> None:
+        self.grace_s = grace_s
+        self.pending = False  # a step finished since the last check
+        self.idle_since: float | None = None  # when the scheduler last became idle
+
+    def stepped(self) -> None:
+        self.pending = True
+        self.idle_since = None
+
+    def busy(self) -> None:
+        self.idle_since = None
+
+    def due(self, now: float) -> bool:
+        """Idle now: is the check due? (The first idle call starts the quiet period.)"""
+        if not self.pending:
+            return False
+        if self.idle_since is None:
+            self.idle_since = now
+        return now - self.idle_since >= self.grace_s
+
+    def checked(self) -> None:
+        self.pending = False
+        self.idle_since = None
+
+    def wait_ms(self, now: float) -> int:
+        """How long an idle loop may block on its sockets: until the check is due, else
+        IDLE_POLL_MS (any message wakes it at once)."""
+        if not self.pending:
+            return self.IDLE_POLL_MS
+        since = now if self.idle_since is None else self.idle_since
+        left = self.grace_s - (now - since)
+        return max(0, min(self.IDLE_POLL_MS, math.ceil(left * 1000)))
 
 
 def main() -> None:

@@ -31,10 +31,15 @@ from radix_runtime.utils.histogram import (
 # name -> bucket bounds of every histogram the scheduler ships (the HTTP side builds its totals
 # from this table)
 SCHEDULER_HISTOGRAMS: dict[str, tuple[float, ...]] = {
+    # the tokenizer manager's send -> the scheduler's read (time in the scheduler's inbox)
+    "inbox_time": STEP_BUCKETS,
     "queue_time": LATENCY_BUCKETS,  # arrival at the scheduler -> first admitted to a step
     "prefill_time": LATENCY_BUCKETS,  # first admitted -> first output token sampled
     "step_time": STEP_BUCKETS,  # a forward step, sent -> its result back at the scheduler
     "forward_time": STEP_BUCKETS,  # the worker's own time for a step (ForwardResult.forward_s)
+    "launch_time": STEP_BUCKETS,  # the worker's host time to launch a step (launch_s)
+    # how long a step's result, ready on the device, waited behind the next step's launch
+    "result_held_time": STEP_BUCKETS,
     "batch_size": BATCH_SIZE_BUCKETS,  # requests in a step
     "step_tokens": STEP_TOKENS_BUCKETS,  # tokens computed in a step
 }
@@ -62,6 +67,7 @@ class Counters:
     host_load_s: float = 0.0
     host_load_runs: int = 0  # runs of consecutive host pages loaded: the worker's copies
     host_write_runs: int = 0
+    host_copy_wait_s: float = 0.0  # the steps' wait for the host tier's copies (worker-timed)
 
 
 class SchedulerStats:
@@ -74,6 +80,10 @@ class SchedulerStats:
 
     # -- recording (called by the scheduler) ---------------------------------------------
 
+    def arrived(self, inbox_s: float) -> None:
+        """A request read from the scheduler's socket `inbox_s` after the tokenizer sent it."""
+        self.hist["inbox_time"].observe(max(inbox_s, 0.0))
+
     def admitted(self, queued_s: float) -> None:
         """A request's first admission (a retried one is not counted again)."""
         self.hist["queue_time"].observe(queued_s)
@@ -81,12 +91,22 @@ class SchedulerStats:
     def first_token(self, prefill_s: float) -> None:
         self.hist["prefill_time"].observe(prefill_s)
 
-    def step(self, batch_size: int, tokens: int, step_s: float, forward_s: float) -> None:
+    def step(
+        self,
+        batch_size: int,
+        tokens: int,
+        step_s: float,
+        forward_s: float,
+        launch_s: float = 0.0,
+        held_s: float = 0.0,
+    ) -> None:
         h = self.hist
         h["batch_size"].observe(batch_size)
         h["step_tokens"].observe(tokens)
         h["step_time"].observe(step_s)
         h["forward_time"].observe(forward_s)
+        h["launch_time"].observe(launch_s)
+        h["result_held_time"].observe(held_s)
 
     # -- reporting ----------------------------------------------------------------------
 

@@ -28,7 +28,12 @@ from prometheus_client.utils import floatToGoString
 
 from radix_runtime.messages import SchedulerMetrics
 from radix_runtime.scheduler.stats import SCHEDULER_HISTOGRAMS
-from radix_runtime.utils.histogram import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS, Histogram
+from radix_runtime.utils.histogram import (
+    INTER_TOKEN_BUCKETS,
+    LATENCY_BUCKETS,
+    STEP_BUCKETS,
+    Histogram,
+)
 
 PREFIX = "radix_runtime:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -41,19 +46,29 @@ _HISTOGRAM_HELP = {
     "inter_token_latency_seconds": "Time between two output tokens of a request",
     "e2e_request_latency_seconds": "Time from the request reaching the tokenizer manager to its "
     "last output token (finished requests, aborted ones included)",
+    "first_token_transit_seconds": "Time from the scheduler sending a first output token to "
+    "the tokenizer manager reading it",
+    "inbox_time_seconds": "Time from the tokenizer manager sending a request to the scheduler "
+    "reading it",
     "queue_time_seconds": "Time a request waited at the scheduler before its first step",
     "prefill_time_seconds": "Time from a request's first step to its first sampled token",
     "step_time_seconds": "Time a forward step held the scheduler-worker pipeline",
     "forward_time_seconds": "The worker's own time for a forward step",
+    "launch_time_seconds": "The worker's host time to launch a forward step",
+    "result_held_time_seconds": "Time a finished step's result waited behind the worker's "
+    "launch of the next step (at most; 0 when the step was still running)",
     "batch_size": "Requests in a forward step",
     "step_tokens": "Tokens computed in a forward step (prefill chunks and decodes)",
 }
 # scheduler histogram key -> exposed name (after the prefix)
 _SCHEDULER_NAMES = {
+    "inbox_time": "inbox_time_seconds",
     "queue_time": "queue_time_seconds",
     "prefill_time": "prefill_time_seconds",
     "step_time": "step_time_seconds",
     "forward_time": "forward_time_seconds",
+    "launch_time": "launch_time_seconds",
+    "result_held_time": "result_held_time_seconds",
     "batch_size": "batch_size",
     "step_tokens": "step_tokens",
 }
@@ -162,11 +177,13 @@ class Metrics:
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.itl = Histogram(INTER_TOKEN_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
+        self.first_transit = Histogram(STEP_BUCKETS)
         self.sched_hist = {k: Histogram(b) for k, b in SCHEDULER_HISTOGRAMS.items()}
         hists = {
             "time_to_first_token_seconds": self.ttft,
             "inter_token_latency_seconds": self.itl,
             "e2e_request_latency_seconds": self.e2e,
+            "first_token_transit_seconds": self.first_transit,
         }
         hists.update({_SCHEDULER_NAMES[k]: h for k, h in self.sched_hist.items()})
         registry.register(_Histograms(model_name, hists))
@@ -210,12 +227,15 @@ class Metrics:
 
     # -- this process's numbers (called by the tokenizer manager) ------------------------
 
-    def on_tokens(self, timing: RequestTiming, n: int, now: float) -> None:
-        """`n` output tokens of one request arrived at `now`."""
+    def on_tokens(self, timing: RequestTiming, n: int, now: float, sent_at: float = 0.0) -> None:
+        """`n` output tokens of one request arrived at `now` (the scheduler sent them at
+        `sent_at`, 0 if unknown)."""
         if n <= 0:  # (a malformed frame: the request fails when its tokens are unpacked)
             return
         if timing.last_token == 0.0:
             self.ttft.observe(now - timing.created)
+            if sent_at > 0:
+                self.first_transit.observe(max(now - sent_at, 0.0))
             n -= 1
         else:
             gap = (now - timing.last_token) / n

@@ -165,7 +165,7 @@ class TokenizerManager:
                     if state is not None:
                         state.queue.put_nowait(out)
                         if metrics is not None and out.new_ids:
-                            metrics.on_tokens(state.timing, len(out.new_ids) // 4, now)
+                            metrics.on_tokens(state.timing, len(out.new_ids) // 4, now, msg.sent_at)
             elif isinstance(msg, m.SchedulerMetrics):
                 # NOTE: applied whether or not a scrape still waits, so no increment is lost
                 if self.metrics is not None:
@@ -238,6 +238,7 @@ class TokenizerManager:
                     top_logprobs_num=inp.top_logprobs_num,
                     logprob_start_len=inp.logprob_start_len,
                     cache_namespace=inp.cache_namespace,
+                    sent_at=time.perf_counter(),
                 )
             )
             state.reached_scheduler = True

@@ -13,18 +13,24 @@ The worker only copies what it is told (`ForwardBatch.write_*`, `load_*`), befor
 model runs. A batch's pairs are sorted by host page id, so each run of consecutive host pages
 moves as one block. On CUDA every copy runs on ONE side stream, so copies run in the order they
 were queued and no host thread ever waits for one:
-- a write (device -> host) first waits for the compute stream (the KV it reads was computed by
-  an earlier step), gathers the pages on the device into the staging buffer (page major) and
-  copies each run of consecutive host pages straight into the pinned pool with one async copy.
-  The step waits for the writes when `writes_block` says it reuses their device pages, and
-  every step waits for the previous batch's writes (a write-through copy whose node a later
-  batch evicts).
+- the steps still running when a batch's copies are queued (the overlap schedule: the step
+  before) are known by the KV pages they read and write (`StepPages`, from the worker); every
+  step before them is done (collected). A copy waits for the compute stream only when it
+  touches one of their pages: a write when a running step writes a page it reads (the tree's
+  pages hold KV computed by collected steps, so in practice never), a load when a running step
+  reads or writes a page it fills (a page freed while the step before still ran: a request
+  finished or aborted, its row in that step discarded). Otherwise the copies run while the
+  step before computes.
+- a write (device -> host) gathers the pages on the device into the staging buffer (page
+  major) and copies each run of consecutive host pages straight into the pinned pool with one
+  async copy. The step waits for the writes when `writes_block` says it reuses their device
+  pages, and every step waits for the previous batch's writes (a write-through copy whose node
+  a later batch evicts).
 - a load (host -> device) copies each run of consecutive host pages from the pinned pool into
   the staging buffer with one async copy, and scatters the staging buffer into the device pool
-  there; it too first waits for the compute stream's earlier work (a page it fills may have
-  been freed while the step before still ran), and the step waits for the load's event. So a
-  load is ordered before the step that reads it, and after every write queued before it (the
-  same stream): a page loaded includes the writes queued before, with no host wait.
+  there, and the step waits for the load's event. So a load is ordered before the step that
+  reads it, and after every write queued before it (the same stream): a page loaded includes
+  the writes queued before, with no host wait.
 - the staging buffer is reused chunk after chunk and batch after batch in the stream's order;
   nothing else touches it.
 Off CUDA (the CPU worker, and CI) both pools are host tensors and there is no staging buffer:
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -142,10 +149,12 @@ class HostKVPool:
         load_src: np.ndarray,
         load_dst: np.ndarray,
         writes_block: bool,
-    ):
+        busy: StepPages | None = None,
+    ) -> CopyTiming:
         """A batch's copies, before its model runs: writes, then loads (called for every step,
-        copies or not). Returns what `load_time` reads (CUDA: the load's timing events; CPU:
-        its seconds)."""
+        copies or not). `busy`: the KV pages that the steps still running read and write; a
+        copy that touches none of theirs does not wait for them (None: every copy waits).
+        Returns what `load_time` and `wait_time` read once the step is done."""
         self._check(write_src, write_dst, load_src, load_dst)
         write_src, write_dst = last_per_destination(write_src, write_dst)
         load_src, load_dst = last_per_destination(load_src, load_dst)
@@ -154,38 +163,57 @@ class HostKVPool:
         write_src, write_dst = write_src[order], write_dst[order]
         order = np.argsort(load_src, kind="stable")
         load_src, load_dst = load_src[order], load_dst[order]
-        if not self.cuda:
+        if not self.cuda:  # synchronous: the step waits for every copy
+            if not len(write_src) and not len(load_src):
+                return CopyTiming()
+            t0 = time.perf_counter()
             if len(write_src):
                 self._write_sync(write_src, write_dst)
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             if len(load_src):
                 self._load_sync(load_src, load_dst)
-            return time.perf_counter() - t0
+            t2 = time.perf_counter()
+            return CopyTiming(load=t2 - t1 if len(load_src) else None, wait=t2 - t0)
         compute = torch.cuda.current_stream(self.dev.device)
+        before = None  # the compute stream, before it waits for any copy
+        if self._last_write_event is not None or len(write_src) or len(load_src):
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(compute)
         if self._last_write_event is not None:
             compute.wait_event(self._last_write_event)  # the previous batch's writes
             self._last_write_event = None
         if len(write_src):
-            event = self._write_async(write_src, write_dst, compute)
+            # a write reads its pages: it waits for the steps running only if one writes them
+            wait = busy is None or _touches(write_src, busy.written)
+            event = self._write_async(write_src, write_dst, compute, wait)
             self._last_write_event = event
             if writes_block:
                 compute.wait_event(event)
+        load = None
         if len(load_src):
-            return self._load_async(load_src, load_dst, compute)
-        return None
+            # a load writes its pages: it waits for the steps running if one reads or writes them
+            wait = busy is None or _touches(load_dst, busy.read) or _touches(load_dst, busy.written)
+            load = self._load_async(load_src, load_dst, compute, wait)
+        if before is None:
+            return CopyTiming()
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(compute)
+        return CopyTiming(load=load, wait=(before, after))
 
     @staticmethod
-    def load_time(handle) -> float:
+    def load_time(handle: CopyTiming | None) -> float:
         """Seconds the loads of a batch took (call after its step completed): on CUDA the side
         stream's time from the load's start to its end (copies and scatter; a stream starved
         by the host issuing the copies counts the gaps too)."""
-        if handle is None:
-            return 0.0
-        if isinstance(handle, float):
-            return handle
-        start, end = handle
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return _seconds(handle.load) if handle is not None else 0.0
+
+    @staticmethod
+    def wait_time(handle: CopyTiming | None) -> float:
+        """Seconds the batch's model waited for copies (call after its step completed): on CUDA
+        the compute stream's time from reaching the batch's copies (every earlier step done) to
+        passing them (the previous batch's writes, this batch's blocking writes and its loads
+        done); on the CPU the copies' wall time. The loads' cost on the critical path."""
+        return _seconds(handle.wait) if handle is not None else 0.0
 
     def _check(self, *arrays: np.ndarray) -> None:
         ws, wd, ls, ld = arrays
@@ -241,11 +269,14 @@ class HostKVPool:
 
     # -- CUDA ----------------------------------------------------------------------------------
 
-    def _write_async(self, src: np.ndarray, dst: np.ndarray, compute) -> torch.cuda.Event:
+    def _write_async(
+        self, src: np.ndarray, dst: np.ndarray, compute, wait: bool
+    ) -> torch.cuda.Event:
         starts, lengths = self._count(dst, load=False)
         src_t = torch.from_numpy(src.astype(np.int64)).pin_memory()
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(compute)
+            if wait:
+                self.stream.wait_stream(compute)
             idx = src_t.to(self.dev.device, non_blocking=True)
             for a, b in self._chunks(len(src)):
                 self._gather_device(idx[a:b], self._staging[: b - a])
@@ -265,12 +296,13 @@ class HostKVPool:
             else:
                 pool.copy_(staged, non_blocking=True)
 
-    def _load_async(self, src: np.ndarray, dst: np.ndarray, compute):
+    def _load_async(self, src: np.ndarray, dst: np.ndarray, compute, wait: bool):
         starts, lengths = self._count(src, load=True)
         dst_t = torch.from_numpy(dst.astype(np.int64)).pin_memory()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(compute)
+            if wait:
+                self.stream.wait_stream(compute)
             start.record(self.stream)
             idx = dst_t.to(self.dev.device, non_blocking=True)
             for a, b in self._chunks(len(src)):
@@ -284,6 +316,38 @@ class HostKVPool:
         """Every queued copy done (tests, shutdown)."""
         if self.cuda:
             self.stream.synchronize()
+
+
+@dataclass(frozen=True)
+class StepPages:
+    """The KV pages a launched step reads (its requests' page rows up to their new tokens) and
+    writes (its new tokens' pages)."""
+
+    read: np.ndarray
+    written: np.ndarray
+
+
+def _touches(pages: np.ndarray, busy: np.ndarray) -> bool:
+    return bool(len(busy)) and bool(np.isin(pages, busy).any())
+
+
+@dataclass
+class CopyTiming:
+    """What a batch's copies leave for `HostKVPool.load_time` / `wait_time`: CUDA timing
+    events (a pair: from, to) or, on the CPU, seconds."""
+
+    load: tuple | float | None = None  # the loads (CUDA: on the side stream)
+    wait: tuple | float | None = None  # the model's wait for the copies (CUDA: compute stream)
+
+
+def _seconds(timing) -> float:
+    if timing is None:
+        return 0.0
+    if isinstance(timing, float):
+        return timing
+    start, end = timing
+    end.synchronize()
+    return max(start.elapsed_time(end), 0.0) / 1e3
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:

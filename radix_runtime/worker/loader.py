@@ -107,6 +107,7 @@ def load_model(
             weights = quant.int4_checkpoint(weights, scheme, dtype, kv_scales, packed)
             quantization = scheme["method"]
         model.load_weights(weights)
+        quant.finish_int4_layers(model)
     elif source.kind == "gguf":
         config, weights, total, cache_hit = gguf_checkpoint(source.path)
         gguf_types = gguf_format.tensor_types(gguf_format.open_gguf(source.path))

@@ -77,11 +77,15 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
         time.sleep(0.2)
         raise SystemExit(2) from exc
 
-    def finish(pending) -> None:
+    launch_s: dict[int, float] = {}  # step -> the worker's host time to launch it
+
+    def finish(pending, held_s: float = 0.0) -> None:
         try:
             result = runner.collect(pending)
         except Exception as exc:
             fail(f"forward step {pending.step}", exc)
+        result.launch_s = launch_s.pop(pending.step, 0.0)
+        result.held_s = held_s
         outbox.send(m.encode(result), copy=False)
 
     pending = None  # the launched step whose result is not sent yet
@@ -111,18 +115,23 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
                 # a finished result back for a whole step (a first token's TTFT included)
                 finish(pending)
                 pending = None
+            t0 = time.perf_counter()
             try:
                 # a constrained row's mask needs the token `pending` samples: its result goes
                 # out first, so the scheduler builds the next batch while the mask is filled
                 launched = runner.launch(msg, defer_sample=pending is not None)
             except Exception as exc:
                 fail(f"forward step {msg.step}", exc)
+            took = time.perf_counter() - t0
             if pending is not None:  # the device already holds `launched` behind it
-                finish(pending)
+                # held_s: at most the launch's time, when `pending` was done by its end
+                finish(pending, took if pending.ready() else 0.0)
+            t1 = time.perf_counter()
             try:
                 runner.sample(launched)
             except Exception as exc:
                 fail(f"forward step {msg.step}", exc)
+            launch_s[msg.step] = took + time.perf_counter() - t1
             pending = launched
         elif isinstance(msg, m.CompileGrammar):
             runner.compile_grammar(msg.kind, msg.text)

@@ -37,13 +37,19 @@ import numpy as np
 import torch
 
 from radix_runtime import messages as m
-from radix_runtime.config import ServerArgs, auto_max_running_requests
+from radix_runtime.config import ServerArgs, auto_grammar_fill_threads, auto_max_running_requests
 from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
 from radix_runtime.worker.distributed import TPRank
 from radix_runtime.worker.host_copy import to_device
-from radix_runtime.worker.host_pool import HostKVPool, host_pool_pages, measure_load_bandwidth
+from radix_runtime.worker.host_pool import (
+    CopyTiming,
+    HostKVPool,
+    StepPages,
+    host_pool_pages,
+    measure_load_bandwidth,
+)
 from radix_runtime.worker.kernels import KernelConfig
 from radix_runtime.worker.kernels import available as kernels_available
 from radix_runtime.worker.kv_pool import KVPool, kv_storage_dtype, num_pages_for
@@ -92,6 +98,7 @@ class _StepLayout:
     ids: list[np.ndarray]  # per request, its input ids
     logit_rows: np.ndarray  # batch token rows whose logits are computed
     logit_ranges: list[tuple[int, int]]  # per request, its rows within `logit_rows`
+    pages: StepPages  # the KV pages the step reads and writes
 
 
 @dataclass
@@ -107,7 +114,7 @@ class PendingStep:
     host: list[torch.Tensor] | None = None  # sample.tensors() + prompt logprobs, on the host
     event: torch.cuda.Event | None = None  # recorded after the device-to-host copies
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
-    load: object = None  # the host tier's load timing (HostKVPool.load_time)
+    load: CopyTiming | None = None  # the host tier's copy timing (HostKVPool.load_time)
     deferred: tuple | None = None  # (layout, logits, keep_logits) until `sample` runs
 
     def ready(self) -> bool:
@@ -183,9 +190,12 @@ class ModelRunner:
             list(c.eos_token_ids),
             self.grammars,
             jump_forward=args.enable_jump_forward,
-            fill_threads=args.grammar_fill_threads,
+            fill_threads=self._fill_threads(),
         )
         self._deferred: PendingStep | None = None  # launched with its sampling not queued yet
+        # the KV pages each launched, not yet collected step reads and writes (by step): a host
+        # tier copy that touches none of them need not wait for those steps (HostKVPool.copy)
+        self._in_flight: dict[int, StepPages] = {}
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(self.max_running, dtype=torch.long, device=self.device)
@@ -219,6 +229,16 @@ class ModelRunner:
             self.attn.name, "on" if self.cuda_graphs else "off",
             f", tp rank {self.tp.rank}/{self.tp.size}" if self.tp.enabled else "",
         )  # fmt: skip
+
+    def _fill_threads(self) -> int:
+        """--grammar-fill-threads, or its default for this device and the cores this worker may
+        run on (its affinity mask, split between the tensor-parallel ranks on this host)."""
+        if self.args.grammar_fill_threads is not None:
+            return self.args.grammar_fill_threads
+        cores = len(os.sched_getaffinity(0)) // max(1, self.args.tp // self.args.nnodes)
+        threads = auto_grammar_fill_threads(self.device.type, cores)
+        logger.info("grammar masks: %d fill threads (%d cores)", threads, cores)
+        return threads
 
     def _grammar_cache(self, source):
         """Constrained decoding's compile cache; None without xgrammar or without a tokenizer
@@ -381,6 +401,7 @@ class ModelRunner:
         layout = self._prepare(batch.reqs)
         if self.threads:
             self._cpu_threads_for(layout.meta.num_tokens)
+        self._in_flight[pending.step] = layout.pages
         pending.deferred = (layout, self._logits(layout, keep_logits), keep_logits)
         if not (
             defer_sample and self.sampler.has_grammar([r.slot for r in batch.reqs if r.sample])
@@ -451,6 +472,18 @@ class ModelRunner:
             m.unpack_ids(batch.load_src),
             m.unpack_ids(batch.load_dst),
             batch.writes_block,
+            busy=self.pages_in_flight(),
+        )
+
+    def pages_in_flight(self) -> StepPages:
+        """The KV pages the launched, not yet collected steps read and write."""
+        steps = list(self._in_flight.values())
+        if len(steps) == 1:
+            return steps[0]
+        empty = np.zeros(0, np.int32)
+        return StepPages(
+            read=np.concatenate([empty, *(s.read for s in steps)]),
+            written=np.concatenate([empty, *(s.written for s in steps)]),
         )
 
     def collect(self, pending: PendingStep) -> m.ForwardResult:
@@ -458,7 +491,8 @@ class ModelRunner:
         self.sample(pending)
         if pending.event is not None:
             pending.event.synchronize()
-        load_s = HostKVPool.load_time(pending.load) if pending.load is not None else 0.0
+        self._in_flight.pop(pending.step, None)  # its kernels are done (the event follows them)
+        load_s, wait_s = HostKVPool.load_time(pending.load), HostKVPool.wait_time(pending.load)
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0
@@ -495,7 +529,11 @@ class ModelRunner:
                 used += 2
         forward_s = time.perf_counter() - pending.t0
         return m.ForwardResult(
-            step=pending.step, results=results, forward_s=forward_s, load_s=load_s
+            step=pending.step,
+            results=results,
+            forward_s=forward_s,
+            load_s=load_s,
+            copy_wait_s=wait_s,
         )
 
     def _copy_to_host(
@@ -583,7 +621,10 @@ class ModelRunner:
             input_ids[index[0]] = self.last_sampled[index[1]]
         self._observe_fed(reqs, input_ids, meta.qo_indptr_cpu)
         logit_rows, logit_ranges = self._logit_rows(reqs, meta.qo_indptr_cpu)
-        return _StepLayout(input_ids, meta, ids, logit_rows, logit_ranges)
+        # the arrays the metadata built anyway (fresh copies: later steps' slot resets do not
+        # change them)
+        pages = StepPages(read=meta.kv_page_indices_cpu, written=token_pages)
+        return _StepLayout(input_ids, meta, ids, logit_rows, logit_ranges, pages)
 
     def _admit(self, r: m.ForwardReq, n_new: int) -> None:
         """Validate one request's share and apply its new pages / new-slot reset."""

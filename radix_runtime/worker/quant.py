@@ -35,7 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from radix_runtime.worker.kernels import fp8_quant
-from radix_runtime.worker.kernels.int4_gemv import dequantize_int4, pack_int4_rows
+from radix_runtime.worker.kernels.int4_gemv import (
+    dequantize_int4,
+    int4_gemv_scales,
+    interleave_quads,
+    pack_int4_rows,
+)
 from radix_runtime.worker.layers.linear import Linear
 from radix_runtime.worker.model_config import UnsupportedModel
 
@@ -186,10 +191,15 @@ def dequantize_groups(
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W kept packed: int4 values (kernels/int4_gemv.py's layout, int32
-    [N, K/8]), float32 scales and uint8 zero points per group of `group_size` input columns.
-    On CUDA the fused path runs decode rows through the Triton int4 GEMV (`FusedOps.project`);
-    this forward (any other caller, prefill) dequantizes the weight for each call."""
+    """y = x W^T (+ b) with W kept packed: int4 values (kernels/int4_gemv.py's layout), float32
+    scales and uint8 zero points per group of `group_size` input columns.
+
+    A checkpoint fills `qweight` row by row (int32 [N, K/8], `pack_int4_rows`, so the fused q/k/v
+    and gate/up shards go to their row slices); `finish()` (the loader calls it once every
+    parameter is filled) interleaves it into the kernels' [N/4, K/8, 4] and builds the GEMV's
+    `gemv_scales`. On CUDA the fused path runs decode rows through the Triton int4 GEMV
+    (`FusedOps.project` / `row_project`); this forward (any other caller, prefill) dequantizes
+    the weight for each call."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int
@@ -211,6 +221,7 @@ class Int4Linear(nn.Module):
             if bias
             else None
         )
+        self.register_buffer("gemv_scales", None, persistent=False)  # by finish()
 
     @classmethod
     def from_linear(cls, linear: nn.Module) -> Int4Linear:
@@ -224,16 +235,31 @@ class Int4Linear(nn.Module):
         layer.zeros = nn.Parameter(zero.contiguous(), requires_grad=False)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        layer.finish()
         return layer
+
+    def finish(self) -> None:
+        """The loaded rows -> the kernels' layout (once)."""
+        if self.gemv_scales is None:
+            self.qweight = nn.Parameter(interleave_quads(self.qweight.data), requires_grad=False)
+            self.gemv_scales = int4_gemv_scales(self.scales.data, self.zeros.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype)
         return F.linear(x, w, self.bias)
 
 
-def int4_packable(in_features: int, group_size: int) -> bool:
-    """Whether the int4 kernels take a projection: whole packed words along K, groups of them."""
-    return in_features % 8 == 0 and group_size % 8 == 0
+def finish_int4_layers(model: nn.Module) -> None:
+    """After an int4 checkpoint is loaded packed: every Int4Linear in the kernels' layout."""
+    for layer in model.modules():
+        if isinstance(layer, Int4Linear):
+            layer.finish()
+
+
+def int4_packable(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether the int4 kernels take a projection: whole packed words along K, groups of them,
+    and whole quads of rows."""
+    return out_features % 4 == 0 and in_features % 8 == 0 and group_size % 8 == 0
 
 
 def use_int4_layers(model: nn.Module, device: torch.device, scheme: dict[str, Any]) -> bool:
@@ -243,7 +269,7 @@ def use_int4_layers(model: nn.Module, device: torch.device, scheme: dict[str, An
     layers = decoder_linears(model)
     groups = [scheme["group_size"] if scheme["group_size"] > 0 else lay.weight.shape[1]
               for _, _, lay in layers]  # fmt: skip
-    if not all(int4_packable(lay.weight.shape[1], g) for (_, _, lay), g in zip(layers, groups)):
+    if not all(int4_packable(*lay.weight.shape, g) for (_, _, lay), g in zip(layers, groups)):
         return False
     for (parent, name, layer), group in zip(layers, groups):
         out_f, in_f = layer.weight.shape
@@ -263,8 +289,8 @@ def quantize_model_int4_rtn(model: nn.Module, packed: bool = False) -> None:
     into an Int4Linear (`packed`: CUDA with the int4 kernels, where its shape fits them), else
     kept dequantized in place."""
     for parent, name, layer in decoder_linears(model):
-        in_f = layer.weight.shape[1]
-        if packed and int4_packable(in_f, int4_group_size(in_f)):
+        out_f, in_f = layer.weight.shape
+        if packed and int4_packable(out_f, in_f, int4_group_size(in_f)):
             setattr(parent, name, Int4Linear.from_linear(layer))
             model.packed_int4 = True
         else:

@@ -209,18 +209,22 @@ class Sampler:
             from radix_runtime.grammar.matcher import clear_tokens
 
             bitmask, rows = masks
+            n = self._batch_masks.vocab_size  # the tokenizer's ids (the mask's columns)
             for i in rows:
                 if states[i].outputs < states[i].params.min_tokens:
                     clear_tokens(bitmask[i], self._stop_ids(states[i].params))
-            if rows and logits.is_cuda:
+            if logits.is_cuda:
                 # queued behind the forward, from pinned memory: the host does not wait for the
                 # device; one kernel over the batch (unconstrained rows allow every token)
                 device_mask = bitmask.to(logits.device, non_blocking=True)
-                xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size)
-            elif rows:
-                xgr.apply_token_bitmask_inplace(
-                    logits, bitmask, vocab_size=self.vocab_size, indices=rows
-                )
+                xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=n)
+            else:
+                xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=n, indices=rows)
+            if n < logits.shape[-1]:  # columns without a token (a padded vocabulary)
+                if len(rows) == len(slots):
+                    logits[:, n:] = float("-inf")
+                else:
+                    logits[self._index(rows), n:] = float("-inf")
         for i in stop_rows:
             ids = [t for t in self._stop_ids(states[i].params) if 0 <= t < self.vocab_size]
             if ids:
@@ -238,7 +242,8 @@ class Sampler:
         if self._batch_masks is None:
             from radix_runtime.grammar.matcher import BatchMasks
 
-            self._batch_masks = BatchMasks(self.vocab_size, self.fill_threads)
+            # over the tokenizer's ids (the grammars' vocabulary), at most the logits' columns
+            self._batch_masks = BatchMasks(self.grammars.info.vocab_size, self.fill_threads)
         return self._batch_masks.fill(grammars, pinned)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:

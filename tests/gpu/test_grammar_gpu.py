@@ -81,7 +81,14 @@ def _decode_steps(runner, ahead: bool, n: int = 12) -> list[int]:
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_constrained_launch_ahead_equals_synchronous(graphs):
+    import os
+
+    from radix_runtime.config import auto_grammar_fill_threads
+
     runner = cuda_runner(page_size=4, disable_cuda_graph=not graphs)
+    # the default fill threads of a CUDA worker (8 on the H200's 16 cores) fill the masks here
+    cores = len(os.sched_getaffinity(0))
+    assert runner.sampler.fill_threads == auto_grammar_fill_threads("cuda", cores)
     _compile(runner, "regex", REGEX)
     sync = _decode_steps(runner, ahead=False)
     ahead = _decode_steps(runner, ahead=True)
@@ -126,3 +133,9 @@ def test_masks_are_queued_without_waiting_for_the_device():
         text = [tokenizer.decode([t]) for t in host]
         assert is_prefix(text[0]) and is_prefix(text[2]), text
         assert text[1] == "x"  # the unconstrained row is not masked
+
+
+def test_padded_vocabulary_cuda():
+    from grammar_steps import check_padded_vocabulary
+
+    check_padded_vocabulary(CUDA)

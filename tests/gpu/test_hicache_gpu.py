@@ -14,7 +14,11 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from radix_runtime.worker.host_pool import HostKVPool, measure_load_bandwidth  # noqa: E402
+from radix_runtime.worker.host_pool import (  # noqa: E402
+    HostKVPool,
+    StepPages,
+    measure_load_bandwidth,
+)
 from radix_runtime.worker.kv_pool import KVPool  # noqa: E402
 
 
@@ -43,6 +47,8 @@ def test_host_pool_is_pinned_and_copies_round_trip():
     for b, want in zip(dev.k_buffers, before):
         assert torch.equal(b[30:34], want)
     assert HostKVPool.load_time(handle) > 0
+    # the model waits for the load: its wait spans the load (the compute stream was idle)
+    assert HostKVPool.wait_time(handle) > 0
 
 
 def test_a_load_is_ordered_after_earlier_work_on_its_pages():
@@ -60,6 +66,44 @@ def test_a_load_is_ordered_after_earlier_work_on_its_pages():
     dev.k_buffers[0][5].add_(1)  # the step reading it runs after the load
     torch.cuda.synchronize()
     assert torch.all(dev.k_buffers[0][5] == 2)  # 8 if the load had landed before the 7
+
+
+def test_copies_that_touch_no_page_of_the_running_steps_overlap_them():
+    """The worker names the pages the steps still running read and write (`busy`): a load or a
+    write that touches none of them runs while the compute stream is busy; a load into one of
+    them, or a write of one a running step writes, waits for it."""
+    dev, host = _pools()
+    host.buffer.fill_(1.0)
+    torch.cuda.synchronize()
+    none = np.zeros(0, np.int32)
+    busy = StepPages(read=np.array([3, 4], np.int32), written=np.array([4], np.int32))
+
+    def running_step() -> torch.cuda.Event:
+        torch.cuda._sleep(int(5e8))  # a few hundred ms on the compute stream
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    # warm-up: the copy path's first call (allocations, kernel loads) must not eat the step
+    host.copy(none, none, np.array([9], np.int32), np.array([6], np.int32), False, busy=busy)
+    host.copy(np.array([6], np.int32), np.array([22], np.int32), none, none, False, busy=busy)
+    torch.cuda.synchronize()
+    step = running_step()
+    host.copy(none, none, np.array([9], np.int32), np.array([5], np.int32), False, busy=busy)
+    host.copy(np.array([3], np.int32), np.array([20], np.int32), none, none, False, busy=busy)
+    host.stream.synchronize()  # the load and the write are done ...
+    assert not step.query()  # ... while the step still runs
+    torch.cuda.synchronize()
+    assert torch.all(dev.k_buffers[0][5] == 1)
+    step = running_step()
+    host.copy(none, none, np.array([9], np.int32), np.array([3], np.int32), False, busy=busy)
+    host.stream.synchronize()
+    assert step.query()  # page 3 is read by the running step: the load waited for it
+    step = running_step()
+    host.copy(np.array([4], np.int32), np.array([21], np.int32), none, none, False, busy=busy)
+    host.stream.synchronize()
+    assert step.query()  # page 4 is written by the running step: the write waited for it
+    torch.cuda.synchronize()
 
 
 def test_a_host_page_written_twice_in_a_batch_holds_the_later_write():

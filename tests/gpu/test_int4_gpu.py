@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytest.importorskip("triton")
@@ -19,7 +20,10 @@ from radix_runtime.worker.kernels import KernelConfig  # noqa: E402
 from radix_runtime.worker.kernels.int4_gemv import (  # noqa: E402
     int4_gemm,
     int4_gemv,
+    int4_gemv_rows,
+    int4_gemv_scales,
     int4_gemv_torch,
+    interleave_quads,
     pack_int4_rows,
 )
 from radix_runtime.worker.model_runner import ModelRunner  # noqa: E402
@@ -34,23 +38,61 @@ def _packed(n: int, k: int, group: int):
     groups = -(-k // group)
     scales = torch.rand(n, groups, device=DEV) * 0.01 + 1e-3
     zeros = torch.randint(0, 16, (n, groups), device=DEV, dtype=torch.uint8)
-    return pack_int4_rows(q), scales, zeros
+    return interleave_quads(pack_int4_rows(q)), scales, zeros
 
 
-@pytest.mark.parametrize(
-    "n,k,group",
-    [(6144, 4096, 128), (4096, 4096, 128), (28672, 4096, 128), (4096, 14336, 128),
-     (100, 96, 64), (37, 1000, 8)],  # the last two: a partial last group, an uneven word block
-)  # fmt: skip
+SHAPES = [(6144, 4096, 128), (4096, 4096, 128), (28672, 4096, 128), (4096, 14336, 128),
+          (100, 96, 64), (36, 1000, 8), (20, 200, 64)]  # fmt: skip
+# the last three: a partial last group, K not a multiple of the word block, N of the quad block
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_int4_gemv_against_reference(n, k, group, m):
     qw, s, z = _packed(n, k, group)
+    ac = int4_gemv_scales(s, z)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     want = int4_gemv_torch(x.float(), qw, s, z, group)
-    for config in (None, (4, 32, 4), (16, 64, 8), (32, 16, 4)):
-        got = int4_gemv(x, qw, s, z, group, config)
+    for config in (None, (1, 32, 1), (2, 128, 4), (4, 128, 4), (8, 256, 8), (4, 64, 2)):
+        got = int4_gemv(x, qw, ac, group, config)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
         assert rel_err(got, want) < 5e-3, config
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("m", [2, 3, 4, 9, 16])
+def test_int4_gemv_rows_against_reference(n, k, group, m):
+    """The few-rows GEMV (2 or 4 input rows per program, row blocks beyond)."""
+    qw, s, z = _packed(n, k, group)
+    ac = int4_gemv_scales(s, z)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    want = int4_gemv_torch(x.float(), qw, s, z, group)
+    for config in (None, (2, 4, 128, 4), (4, 2, 128, 4), (4, 1, 64, 2)):
+        got = int4_gemv_rows(x, qw, ac, group, config)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 5e-3, config
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_int4_gemv_fused_prologues(n, k, group):
+    """The one-token layer's cases: rmsnorm(x) * w in, SiLU(gate) * up in and the residual add
+    out, against the same ops in float32 around the reference."""
+    qw, s, z = _packed(n, k, group)
+    ac = int4_gemv_scales(s, z)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    nw = torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5
+    xf = x.float()
+    xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()
+    got = int4_gemv(x, qw, ac, group, norm_weight=nw, eps=1e-5)
+    assert rel_err(got, int4_gemv_torch(xn, qw, s, z, group)) < 5e-3
+    gu = torch.randn(1, 2 * k, device=DEV, dtype=torch.bfloat16)
+    res = torch.randn(1, n, device=DEV, dtype=torch.bfloat16)
+    gf = gu.float()
+    want = res.float() + int4_gemv_torch(F.silu(gf[:, :k]) * gf[:, k:], qw, s, z, group).float()
+    for config in (None, (4, 128, 4)):
+        out = res.clone()
+        got = int4_gemv(gu, qw, ac, group, config, silu=True, add_to=out)
+        assert got is out and rel_err(out, want) < 5e-3, config
 
 
 @pytest.mark.parametrize("n,k,group", [(6144, 4096, 128), (4096, 14336, 128), (100, 96, 64)])
@@ -85,8 +127,9 @@ def _agree(outs, tol: float, what: str) -> None:
 
 def test_packed_int4_through_the_runner():
     """--quantization int4 packed against the same rounding dequantized at load: a prefill of
-    ~200 rows (the GEMM), one of 300 (dequantized per call), decode of 8 rows (GEMM), 4 and 1
-    (GEMV), the decode steps as CUDA graphs."""
+    ~200 rows (the GEMM), one of 300 (dequantized per call), decode of 8 rows (GEMM), 4 (GEMV)
+    and 1 (the one-token path: the int4 GEMV with the norm / SiLU prologues and residual adds),
+    the decode steps as CUDA graphs."""
     plain = _runner(int4_gemv=False)
     packed = _runner()
     layer = packed.model.model.layers[0].mlp.down_proj

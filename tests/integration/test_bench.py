@@ -115,6 +115,10 @@ def test_multi_turn_chat_cache_on_and_off(tmp_path):
     check_section(off, 6, rounds=2)
     for sec in (on, off):  # the client's own event-loop lag is reported beside the latencies
         assert 0 <= sec["client_loop_lag_p50_ms"] <= sec["client_loop_lag_p99_ms"]
+        # the server's /metrics split of the run's TTFTs: each request queued and prefilled once
+        times = sec["scheduler"]
+        assert times["queue_time_count"] == times["prefill_time_count"] == 6
+        assert 0 <= times["queue_time_mean_s"] < times["time_to_first_token_mean_s"]
     # every answer is exactly --answer-tokens long (EOS ignored)
     assert on["output_tokens"] == off["output_tokens"] == 6 * 8
     # the same prompts went to both servers
@@ -212,7 +216,11 @@ def test_serving_sweep(default_server, tmp_path, dataset):
             assert 0 < ideal["decode_steps"] <= ran["decode_steps"]  # the ideal batches are larger
             assert ideal["output_tok_s"] >= ran["output_tok_s"]
             assert 0 < row["roofline_fraction"] <= row["roofline_run_fraction"]
+            # one kernel at a time is never faster than the overlapped bound
+            assert ran["output_tok_s_serial"] <= ran["output_tok_s"]
+            assert row["roofline_run_fraction"] <= row["roofline_serial_fraction"]
         assert stdout.count(": roofline_fraction ") == len(rows)
+        assert stdout.count(": roofline_serial_fraction ") == len(rows)
         assert stdout.count(": roofline_run_fraction ") == len(rows)
         assert stdout.count("itl_p99_over_p50") == len(rows)
     else:

@@ -104,5 +104,7 @@ def test_server_with_the_cpp_tree_and_the_host_tier_keeps_greedy_outputs(tmp_pat
             cache = c.get("/get_server_info").json()["cache"]
         assert reused == fresh
         assert host_cached > 0 and cache["host_loads"] > 0
+        # the worker timed the loads, and the steps' wait for them (the CPU copies synchronously)
+        assert 0 < cache["host_load_s"] <= cache["host_copy_wait_s"]
     finally:
         assert server.stop() is not None

@@ -186,6 +186,19 @@ def test_histograms_count_every_finished_request(server, client):
     assert delta("queue_time_seconds_count") == total
     assert delta("prefill_time_seconds_count") == total
     assert delta("step_time_seconds_count") == delta("batch_size_count") > 0
+    # the rest of a TTFT: the scheduler's inbox and the first token's way back, per request;
+    # the worker's launch and held result, per step
+    assert delta("inbox_time_seconds_count") == total
+    assert delta("first_token_transit_seconds_count") == total
+    steps = delta("step_time_seconds_count")
+    assert delta("launch_time_seconds_count") == delta("result_held_time_seconds_count") == steps
+    assert delta("launch_time_seconds_sum") > 0
+    # inbox, queue, prefill and transit are disjoint parts of each request's TTFT (one clock)
+    parts = sum(
+        delta(f"{k}_seconds_sum")
+        for k in ("inbox_time", "queue_time", "prefill_time", "first_token_transit")
+    )
+    assert 0 < parts <= delta("time_to_first_token_seconds_sum")
     # histogram buckets: cumulative, +Inf == count
     for name in ("time_to_first_token_seconds", "step_time_seconds", "batch_size"):
         buckets = sorted(

@@ -129,6 +129,8 @@ def test_auto_stream_reassembles_to_the_non_stream_reply(client, model, messages
         assert whole.finish_reason == "tool_calls" and whole.message.content is None
         (call,) = as_calls(whole.message)
         assert call["name"] == "get_weather" and json.loads(call["arguments"])["city"] == "Rome"
+        # the arguments stream as they are generated, not in one piece when the call is complete
+        assert calls[0]["fragments"] > 2, calls
 
 
 def test_history_with_tool_calls_and_results_is_accepted(client, model):

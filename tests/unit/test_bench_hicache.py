@@ -88,3 +88,21 @@ def test_host_ids_are_distinct_runs():
     ids = host_ids(10, 4, 41, np.random.default_rng(0))
     assert len(ids) == len(set(ids.tolist())) == 10 and ids.min() >= 1 and ids.max() <= 40
     assert sum(np.diff(ids) == 1) >= 6  # runs of 4, 4 and 2 consecutive pages
+
+
+def test_the_optimum_is_against_the_answers_the_server_computed():
+    """A replayed run's next prompt holds the first run's answer; where the server generated
+    another answer no cache could hold those tokens: the optimum stops where they differ."""
+    from bench import common
+
+    system, first = [7] * 8, [9] * 4
+    turns = [
+        mtc.Turn(0, 0, 0, system + first, [1, 2, 3, 4],  # the replayed answer
+                 common.RequestResult(output_ids=[1, 2, 5, 6])),  # what the server generated
+        mtc.Turn(0, 1, 1, system + first + [1, 2, 3, 4] + [8], [],
+                 common.RequestResult(output_ids=[3])),
+    ]  # fmt: skip
+    assert mtc.optimal_per_turn(turns, page_size=1) == [0, 14]
+    # the live run (answers = what it generated) can hit the whole previous turn
+    turns[0].result.output_ids = [1, 2, 3, 4, 0]
+    assert mtc.optimal_per_turn(turns, page_size=1) == [0, 16]

@@ -69,6 +69,24 @@ def test_workload_roofline_adds_prefill_and_decode_time():
     assert roofline.fraction(None, 3.0) is None
 
 
+def test_the_serial_bound_runs_matmuls_and_attention_one_after_another():
+    # 2 steps of 1 row: per step max(656 weight bytes / 10, 2 x 328 FLOPs / 100) = 65.6 s, then
+    # attention: max(144 KV bytes / 10, 288 attention FLOPs / 100) = 14.4 s
+    r = roofline.workload_roofline(SHAPE, CEILINGS, [(3, 1, 3)], decode_steps=2)
+    assert r["decode_serial_s"] == pytest.approx(2 * 65.6 + 14.4)
+    assert r["output_tok_s_serial"] == pytest.approx(3 / r["total_serial_s"])
+    # 4 requests in 2 steps of 4 rows at 30 FLOP/s: a step's matmuls are compute-bound
+    # (2 x 4 x 328 / 30 = 87.47 s > 65.6 s) while attention is bandwidth-bound (576 KV bytes /
+    # 10 = 57.6 s > 1152 FLOPs / 30 = 38.4 s): one after another they take longer than the
+    # overlapped bound, max(1888 bytes / 10, 6400 FLOPs / 30) = 213.3 s
+    mixed = roofline.Ceilings(matmul_flops=30.0, bandwidth=10.0)
+    r = roofline.workload_roofline(SHAPE, mixed, [(3, 1, 3)] * 4, decode_steps=2)
+    assert r["decode_s"] == pytest.approx(6400 / 30)
+    assert r["decode_serial_s"] == pytest.approx(2 * 2624 / 30 + 57.6)
+    assert r["decode_serial_s"] > r["decode_s"]
+    assert roofline.workload_roofline(SHAPE, CEILINGS, [(3, 1, 1)], 0)["decode_serial_s"] == 0
+
+
 def test_ideal_decode_steps_use_the_batches_the_pool_holds():
     # 6 decode rows; the longest request needs 9 tokens = 3 pages of 4 = 12 tokens
     assert roofline.ideal_decode_steps([3, 5], [6, 9], pool_tokens=10, page_size=4) == 6

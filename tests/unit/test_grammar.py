@@ -8,7 +8,13 @@ import time
 
 import pytest
 import torch
-from grammar_steps import check_constrained, check_min_tokens, grammar_cache
+from grammar_steps import (
+    bits,
+    check_constrained,
+    check_min_tokens,
+    check_padded_vocabulary,
+    grammar_cache,
+)
 
 from radix_runtime.grammar.matcher import clear_tokens
 
@@ -64,10 +70,6 @@ def test_tokenizer_info_matches_our_tokenizer():
     decoded = info.decoded_vocab
     for tid in (tokenizer.encode(" hello", add_special_tokens=False)[0], 33, 1000):
         assert decoded[tid] == tokenizer.token_bytes(tid)
-
-
-def bits(row: torch.Tensor) -> set[int]:
-    return {w * 32 + b for w in range(len(row)) for b in range(32) if int(row[w]) >> b & 1}
 
 
 def test_clear_tokens_keeps_a_row_that_can_only_stop():
@@ -130,10 +132,11 @@ def test_batch_fill_on_threads_equals_one_by_one():
     """xgrammar's BatchGrammarMatcher on threads fills the same masks as the matchers one by one
     (grammars that finish, unconstrained and min_tokens rows in the batch)."""
     one_by_one = _masks_over_steps(0)
-    threaded = _masks_over_steps(2)
-    assert len(one_by_one) == len(threaded)
-    for a, b in zip(one_by_one, threaded):
-        assert torch.equal(a, b)
+    for threads in (2, 3):  # 3: more threads than the batch has grammar rows
+        threaded = _masks_over_steps(threads)
+        assert len(one_by_one) == len(threaded)
+        for a, b in zip(one_by_one, threaded):
+            assert torch.equal(a, b)
 
 
 def test_jump_forward_retokenizes_the_boundary():
@@ -250,3 +253,80 @@ def test_scheduler_fails_requests_of_an_invalid_grammar_and_aborts_waiting_ones(
     )
     assert not sched.has_work() and not sched.grammar_waiting and not sched.reqs
     sched.check_integrity()
+
+
+# ---------------------------------------------------------------------------------------------
+# the logits columns past the tokenizer's ids (a padded vocabulary), and the fill threads
+
+
+def test_padded_vocabulary_is_masked_by_the_sampler():
+    check_padded_vocabulary(CPU)
+
+
+def test_stop_ids_outside_the_tokenizer_fall_back_to_its_eos():
+    """Dummy weights with a stand-in tokenizer: the model's EOS ids are past the tokenizer's
+    ids, so a grammar stops on the tokenizer's own EOS."""
+    from radix_runtime.grammar.compiler import GrammarCache
+
+    tokenizer, _ = grammar_cache()
+    n = tokenizer.vocab_size
+    cache = GrammarCache(lambda: tokenizer, 128256, [128001, 128009])
+    assert cache.info.vocab_size == n
+    assert sorted(cache.info.stop_token_ids) == sorted(t for t in tokenizer.eos_token_ids if t < n)
+    assert cache.info.stop_token_ids
+
+
+def test_fill_threads_default_resolves_per_device(monkeypatch):
+    """--grammar-fill-threads defaults to None, resolved by the worker: half the cores it may
+    use (split between the tensor-parallel ranks on the host), at most 8, on CUDA; 0 on the CPU
+    (torch's threads use the cores there); an explicit value wins."""
+    import argparse
+    from types import SimpleNamespace
+
+    from radix_runtime.config import (
+        ServerArgs,
+        add_server_args,
+        args_from_namespace,
+        auto_grammar_fill_threads,
+    )
+    from radix_runtime.worker.model_runner import ModelRunner
+
+    assert ServerArgs().grammar_fill_threads is None
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert args_from_namespace(parser.parse_args([])).grammar_fill_threads is None
+    flag = ["--grammar-fill-threads", "3"]
+    assert args_from_namespace(parser.parse_args(flag)).grammar_fill_threads == 3
+    with pytest.raises(ValueError):
+        ServerArgs(grammar_fill_threads=-1).validate()
+    assert [auto_grammar_fill_threads("cuda", c) for c in (1, 2, 6, 16, 64)] == [0, 1, 3, 8, 8]
+    assert auto_grammar_fill_threads("cpu", 64) == 0
+
+    def resolved(device: str, cores: int, **args) -> int:
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+        fake = SimpleNamespace(args=ServerArgs(**args), device=torch.device(device))
+        return ModelRunner._fill_threads(fake)
+
+    assert resolved("cuda", 16) == 8  # the H200 host's 16 cores
+    assert resolved("cuda", 6) == 3
+    assert resolved("cuda", 16, tp=4) == 2  # 4 ranks share the host's cores
+    assert resolved("cpu", 16) == 0
+    assert resolved("cuda", 16, grammar_fill_threads=0) == 0
+    assert resolved("cpu", 16, grammar_fill_threads=2) == 2
+
+
+def test_exported_tokenizer_is_the_same_vocabulary(tmp_path):
+    """bench/export_tokenizer.py: the folder the H200 runs carry loads as the same tokens."""
+    from bench.export_tokenizer import export
+    from radix_runtime.tokenizer import load_tokenizer
+
+    tokenizer, _ = grammar_cache()
+    export("default", str(tmp_path))
+    copy = load_tokenizer(str(tmp_path))
+    assert copy.vocab_size == tokenizer.vocab_size
+    assert sorted(copy.eos_token_ids) == sorted(tokenizer.eos_token_ids)
+    for tid in range(0, tokenizer.vocab_size, 97):
+        assert copy.token_bytes(tid) == tokenizer.token_bytes(tid)
+        assert copy.is_special(tid) == tokenizer.is_special(tid)
+    text = 'Hello {"a": [1, 2.5]} wörld <|im_end|>'
+    assert copy.encode(text) == tokenizer.encode(text)

@@ -18,10 +18,11 @@ from radix_runtime.scheduler.scheduler import Scheduler
 
 
 class TieredFakeWorker(FakeWorker):
-    def __init__(self, num_pages, page_size, max_slots, host_pages):
+    def __init__(self, num_pages, page_size, max_slots, host_pages, sent=None):
         super().__init__(num_pages, page_size, max_slots)
         self.host = np.full((host_pages, page_size), -1, dtype=np.int64)
         self.loaded_pages = 0
+        self.sent = sent  # a list: every batch, as received
 
     def ready(self) -> m.WorkerReady:
         ready = super().ready()
@@ -30,6 +31,8 @@ class TieredFakeWorker(FakeWorker):
         return ready
 
     def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
+        if self.sent is not None:
+            self.sent.append(batch)
         src, dst = m.unpack_ids(batch.write_src), m.unpack_ids(batch.write_dst)
         self.host[dst] = self.pool[src]
         src, dst = m.unpack_ids(batch.load_src), m.unpack_ids(batch.load_dst)
@@ -48,7 +51,7 @@ def conversations(n=6, rounds=3, seed=0):
 
 
 def run(prompts, arrivals, *, hicache, page_size=1, pool=96, host=4096, overlap=False,
-        policy="write_through", disable=False, aborts=None, max_new=4):  # fmt: skip
+        policy="write_through", disable=False, aborts=None, max_new=4, sent=None):  # fmt: skip
     args = ServerArgs(
         page_size=page_size,
         max_total_tokens=pool,
@@ -65,7 +68,7 @@ def run(prompts, arrivals, *, hicache, page_size=1, pool=96, host=4096, overlap=
     )
     num_pages = pool // page_size + 1
     worker = (
-        TieredFakeWorker(num_pages, page_size, 3, host // page_size + 1)
+        TieredFakeWorker(num_pages, page_size, 3, host // page_size + 1, sent)
         if hicache
         else FakeWorker(num_pages, page_size, 3)
     )
@@ -269,3 +272,26 @@ def test_generate_meta_info_splits_cached_tokens_by_tier():
         1,
         2,
     )
+
+
+def test_a_load_goes_in_the_same_step_as_its_requests_first_prefill_chunk():
+    """No load step of its own and no scheduler round trip: the batch that carries a load
+    carries the prefill row of the request it is for (the worker orders the row after the
+    copy on the device), so a host hit costs the copy, not a step."""
+    prompts, arrivals = conversations()
+    for page_size in (1, 4):
+        for overlap in (False, True):
+            sent = []
+            _, sched = run(prompts, arrivals, hicache=True, page_size=page_size,
+                           overlap=overlap, sent=sent)  # fmt: skip
+            assert sched.host_loads > 0
+            with_loads = [b for b in sent if b.load_dst]
+            assert with_loads
+            for batch in with_loads:
+                loaded = set(m.unpack_ids(batch.load_dst).tolist())
+                rows = [r for r in batch.reqs
+                        if loaded & set(m.unpack_ids(r.new_pages).tolist())]  # fmt: skip
+                # the rows that receive the loaded pages: first steps of their requests,
+                # computing the tokens right after what was loaded
+                assert rows and all(r.new_slot and len(r.input_ids) > 0 for r in rows)
+                assert loaded <= set().union(*(m.unpack_ids(r.new_pages).tolist() for r in rows))

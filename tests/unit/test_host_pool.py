@@ -185,3 +185,21 @@ def pool_page_bytes(dev: KVPool) -> int:
     return (
         dev.bytes_per_token(dev.num_layers, dev.kv_heads, dev.head_dim, dev.dtype) * dev.page_size
     )
+
+
+def test_a_batch_reports_its_load_time_and_the_steps_wait_for_its_copies():
+    dev = KVPool(2, 16, 1, 2, 4, torch.float32, torch.device("cpu"))
+    _filled(dev, 0)
+    pool = HostKVPool(dev, 32)
+    none = np.zeros(0, np.int32)
+    idle = pool.copy(none, none, none, none, False)
+    assert HostKVPool.load_time(idle) == HostKVPool.wait_time(idle) == 0.0
+    assert HostKVPool.load_time(None) == HostKVPool.wait_time(None) == 0.0
+    writes = pool.copy(np.array([1, 2], np.int32), np.array([3, 4], np.int32), none, none, False)
+    assert HostKVPool.load_time(writes) == 0.0 < HostKVPool.wait_time(writes)
+    both = pool.copy(
+        np.array([5], np.int32), np.array([9], np.int32),
+        np.array([3, 4], np.int32), np.array([7, 8], np.int32), False,
+    )  # fmt: skip
+    # on the CPU the step waits for every copy: the writes and the loads
+    assert 0.0 < HostKVPool.load_time(both) <= HostKVPool.wait_time(both)

@@ -107,7 +107,8 @@ def test_a_report_starts_the_increments_again():
     assert (first.prompt_tokens, first.cached_tokens, first.retractions) == (10, 4, 1)
     assert first.evicted_pages == 7
     assert set(first.histograms) == {"queue_time", "batch_size", "step_tokens", "step_time",
-                                     "forward_time"}  # fmt: skip
+                                     "forward_time", "launch_time",
+                                     "result_held_time"}  # fmt: skip
     second = stats.report(Sched)
     assert second.prompt_tokens == second.evicted_pages == 0 and not second.histograms
     counters.prompt_tokens_total += 5  # the totals only grow; a report carries what is new

@@ -116,3 +116,28 @@ def test_from_last_sample_is_validated(runner):
             )
         )
     release_all(runner)
+
+
+def test_the_pages_of_the_steps_in_flight_are_known_until_collected(runner):
+    """The host tier's copies wait only for the running steps that touch their pages
+    (HostKVPool.copy's `busy`): the runner knows each launched step's pages until it is
+    collected."""
+    release_all(runner)
+    assert len(runner.pages_in_flight().read) == 0
+    p1 = runner.launch(first_step())
+    busy = runner.pages_in_flight()
+    # page size 4: slot 0's 5 tokens fill pages 1, 2; slots 1, 2, 3 the first of theirs (3,
+    # 5, 6); their second pages (4, 8, 7) are not used yet
+    assert set(busy.read.tolist()) == set(busy.written.tolist()) == {1, 2, 3, 5, 6}
+    p2 = runner.launch(second_step(None))  # decodes write one slot each; slot 3 its last chunk
+    busy = runner.pages_in_flight()  # both steps
+    assert set(busy.written.tolist()) == {1, 2, 3, 4, 5, 6, 7}
+    runner.collect(p1)
+    busy = runner.pages_in_flight()
+    # step 2 alone: slot 0 writes position 5 (page 2), slot 1 position 4 (page 4), slot 2
+    # position 3 (page 5), slot 3 positions 4, 5 (page 7); it reads every page of those rows
+    assert sorted(set(busy.written.tolist())) == [2, 4, 5, 7]
+    assert set(busy.read.tolist()) == {1, 2, 3, 4, 5, 6, 7}
+    runner.collect(p2)
+    assert len(runner.pages_in_flight().read) == len(runner.pages_in_flight().written) == 0
+    release_all(runner)

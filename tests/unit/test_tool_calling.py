@@ -75,8 +75,13 @@ HERMES_REPLIES = [
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}',  # EOS, no close
     "No tools needed: 2 < 3 and <tool is not a tag.\n",
-    'Broken <tool_call>{"name": "get_weather", "arguments": {</tool_call> end',
     '<tool_call>{"name": "unknown_fn", "arguments": {}}</tool_call>',
+    '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>',  # name last
+    # heads that name a function: calls whose arguments are cut where the block breaks
+    'Broken <tool_call>{"name": "get_weather", "arguments": {</tool_call> end',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Par</tool_call> after',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a \\"{x}\\" </b>"}}\n</tool_call>',
 ]
 
 
@@ -100,8 +105,22 @@ def test_hermes_parses_calls_and_keeps_the_rest_as_content():
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
     _, calls = parse_reply(auto(), HERMES_REPLIES[1])
     assert json.loads(calls[0].arguments) == {"city": "Rome", "days": 2}
-    for reply in HERMES_REPLIES[2:]:  # plain text, invalid JSON, an unknown function
-        assert parse_reply(auto(), reply) == (reply, [])
+    for reply in HERMES_REPLIES[2:5]:  # plain text, an unknown function, the name last
+        if "Oslo" in reply:  # not streamable: parsed once the block is complete
+            content, (call,) = parse_reply(auto(), reply)
+            assert content == "" and json.loads(call.arguments) == {"city": "Oslo"}
+        else:
+            assert parse_reply(auto(), reply) == (reply, [])
+    # a block is a call once its head names a function: cut arguments stay cut, the rest of the
+    # block is not content (what was streamed is never taken back)
+    cut = [parse_reply(auto(), reply) for reply in HERMES_REPLIES[5:8]]
+    assert [(content, [c.arguments for c in calls]) for content, calls in cut] == [
+        ("Broken end", ["{"]),
+        ("", ['{"city": ']),
+        (" after", ['{"city": "Par']),
+    ]
+    content, (call,) = parse_reply(auto(), HERMES_REPLIES[8])  # brackets and tags in strings
+    assert content == "" and json.loads(call.arguments) == {"city": 'a "{x}" </b>'}
     # parallel_tool_calls: false keeps the first call
     content, calls = parse_reply(auto(parallel=False), HERMES_REPLIES[0])
     assert [c.name for c in calls] == ["get_weather"]
@@ -363,6 +382,23 @@ def stream_deltas(plan, text, size):
     parser = plan.new_parser()
     per_feed = [parser.feed(text[i : i + size]).deltas for i in range(0, len(text), size)]
     return per_feed + [parser.finish().deltas], parser.calls
+
+
+def test_auto_hermes_calls_stream_arguments_as_they_are_generated():
+    """tool_choice auto, hermes: a block's call goes out with its head, then each piece of its
+    arguments as it arrives; the fragments join to the whole reply's parse."""
+    args = '{"city": "Paris \\"the {city} of light\\"", "days": 3}'
+    reply = f'Sure.\n<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+    plan = auto()
+    content, whole = parse_reply(plan, reply)
+    assert content == "Sure." and [(c.name, c.arguments) for c in whole] == [("get_weather", args)]
+    per_feed, calls = stream_deltas(plan, reply, 4)
+    head, *fragments = [d for feed in per_feed for d in feed]
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(fragments) >= len(args) // 4  # a fragment per piece fed, not one at the end
+    assert "".join(d["function"]["arguments"] for d in fragments) == args
+    first = next(i for i, feed in enumerate(per_feed) if feed)
+    assert (first + 1) * 4 < len(reply) - len(args) // 2  # the head before the arguments end
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])

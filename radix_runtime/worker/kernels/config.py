@@ -29,9 +29,18 @@ class KernelConfig:
     # projections of up to int4_gemv_max_rows rows run the Triton int4 GEMV, up to
     # int4_gemm_max_rows the int4 GEMM (each weight tile read once for all rows), more rows
     # (prefill chunks) dequantize the weight per call and run cuBLAS; False: dequantized to the
-    # model dtype at load. The thresholds are not measured yet (bench/quant.py's gemv_int4)
+    # model dtype at load. By rows on gate_up (docs/results/h200_quant_kernels.json, by_rows):
+    # the GEMV 29 / 49 / 88 us at 1 / 2 / 4 rows, the GEMM 306-334 us at 1-8 rows, cuBLAS on
+    # bf16 weights 59 us: the GEMM for a few rows is the slow part left
     int4_gemv: bool = True
     int4_gemv_max_rows: int = 4
     int4_gemm_max_rows: int = 256
-    # (BLOCK_N, BLOCK_KW, num_warps) of the int4 GEMV (None: kernels/int4_gemv.py's default)
-    int4_gemv_config: tuple[int, int, int] | None = None
+    # projections of 2..int4_rows_max_rows rows run the int4 GEMV for a few rows at once (each
+    # weight block made floats once for 2 or 4 rows) before the thresholds above; 0: off. On
+    # gate_up (docs/results/h200_quant_kernels.json, by_rows) it beats the one-row GEMV and the
+    # GEMM at 2 / 4 / 8 / 16 rows (39 / 82 / 154 / 299 us against 49 / 88 / 166 us and 334 / 370
+    # us) and loses to the GEMM at 64 (1,129 against 526 us)
+    int4_rows_max_rows: int = 16
+    # (BLOCK_Q, BLOCK_KW, num_warps[, prefetch]) of the int4 GEMV for every shape (None:
+    # kernels/int4_gemv.py's INT4_GEMV_CONFIGS table, then its default)
+    int4_gemv_config: tuple[int, ...] | None = None

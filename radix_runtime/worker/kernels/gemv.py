@@ -109,6 +109,15 @@ GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
     (128256, 4096, GEMV_PLAIN, False): (4, 2048, 4),  # LM head 229.7 (239.2)
 }
 GEMV_DEFAULT_CONFIG = {GEMV_PLAIN: (4, 1024, 4), GEMV_NORM: (8, 512, 4), GEMV_SILU: (8, 1024, 4)}
+# FP8 weights (W8A16 at batch 1), the one-token layer's cases of the 8B shape, measured on the
+# H200 by bench/quant.py's FP8 sweep (docs/results/h200_quant_gemv.json, us per product); other
+# keys take the bf16 table's config with FP8_GEMV_ROWS_FACTOR x its rows
+FP8_GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
+    (6144, 4096, GEMV_NORM, False): (8, 512, 4),  # qkv from the residual 10.5
+    (4096, 4096, GEMV_PLAIN, True): (4, 1024, 4),  # o into the residual 7.2
+    (28672, 4096, GEMV_NORM, False): (8, 512, 4),  # gate/up from the residual 37.2
+    (4096, 14336, GEMV_SILU, True): (8, 1024, 4),  # down of SiLU(gate) * up, into the residual 20.8
+}
 GEMV_CONFIGS_ENV = "RADIX_RUNTIME_GEMV_CONFIGS"  # a gemv_sweep.py JSON whose best configs win
 
 
@@ -161,6 +170,8 @@ def gemv(
             raise ValueError(f"gemv: add_to must be a contiguous [1, {n}] row")
         y = add_to
     key = (n, k, prologue, add_to is not None)
+    if config is None and w_scale is not None and key in FP8_GEMV_CONFIGS:
+        config = FP8_GEMV_CONFIGS[key]
     block_n, block_k, warps = config or (GEMV_CONFIGS if table is None else table).get(
         key, GEMV_DEFAULT_CONFIG[prologue]
     )

@@ -48,19 +48,51 @@ class FusedOps:
             return self.gemv(x, weight)
         return F.linear(x, weight, bias)
 
+    def row_project(
+        self,
+        x: torch.Tensor,
+        layer: torch.nn.Module,
+        *,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        silu: bool = False,
+        add_to: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A decoder projection of the one-token path with `gemv`'s prologues and epilogue:
+        the int4 GEMV for a packed int4 layer (an Int4Linear, with this config's int4 kernels on),
+        else the GEMV (FP8 weights with their per-row scales)."""
+        qweight = getattr(layer, "qweight", None)
+        fused = dict(norm_weight=norm_weight, eps=eps, silu=silu, add_to=add_to)
+        if qweight is not None:
+            prologue = 2 if silu else 1 if norm_weight is not None else 0
+            config = self._int4_config(qweight, prologue, add_to is not None)
+            return int4_gemv.int4_gemv(
+                x, qweight, layer.gemv_scales, layer.group_size, config, **fused
+            )
+        return self.gemv(x, layer.weight, w_scale=getattr(layer, "weight_scale", None), **fused)
+
+    def _int4_config(self, qweight: torch.Tensor, prologue: int, add: bool):
+        """This config's int4 GEMV blocks, else the H200 table's for the shape, else None (the
+        kernel's default)."""
+        key = (qweight.shape[0] * 4, qweight.shape[1] * 8, prologue, add)
+        return self.config.int4_gemv_config or int4_gemv.INT4_GEMV_CONFIGS.get(key)
+
     def project(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
         """A decoder projection: `linear` for a plain layer; for an FP8 one (worker/quant.py's
         Fp8Linear, which has a `weight_scale`) the scaled GEMV at one row, else its own forward
         (FP8 tensor cores); for a packed int4 one (an Int4Linear, which has a `qweight`) the int4
-        GEMV, the int4 GEMM or its own forward (dequantized per call) by the number of rows."""
+        GEMV (one row, or a few at once), the int4 GEMM or its own forward (dequantized per call)
+        by the number of rows."""
         qweight = getattr(layer, "qweight", None)
         if qweight is not None:
             c, rows = self.config, x.shape[0]
-            args = (x, qweight, layer.scales, layer.zeros, layer.group_size)
-            if c.int4_gemv and rows <= c.int4_gemv_max_rows:
-                y = int4_gemv.int4_gemv(*args, c.int4_gemv_config)
+            if c.int4_gemv and 1 < rows <= c.int4_rows_max_rows:
+                y = int4_gemv.int4_gemv_rows(x, qweight, layer.gemv_scales, layer.group_size)
+            elif c.int4_gemv and rows <= c.int4_gemv_max_rows:
+                y = int4_gemv.int4_gemv(x, qweight, layer.gemv_scales, layer.group_size,
+                                        self._int4_config(qweight, 0, False))  # fmt: skip
             elif c.int4_gemv and rows <= c.int4_gemm_max_rows:
-                y = int4_gemv.int4_gemm(*args)
+                y = int4_gemv.int4_gemm(x, qweight, layer.scales, layer.zeros, layer.group_size)
             else:
                 return layer(x)
             return y if layer.bias is None else y.add_(layer.bias)

@@ -153,9 +153,11 @@ class LlamaForCausalLM(nn.Module):
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
-        # FP8 layers: the GEMV reads their scales; packed int4 ones take the per-projection path;
-        # tensor parallelism: the o/down GEMVs' residual-add epilogue would add a partial sum
-        row_ok = not (c.qkv_bias or c.o_bias or c.tp_size > 1 or self.packed_int4)
+        # FP8 layers: the GEMV reads their scales; packed int4 ones run the int4 GEMV (with the
+        # same prologues) unless the int4 kernels are off; tensor parallelism: the o/down GEMVs'
+        # residual-add epilogue would add a partial sum
+        int4_off = self.packed_int4 and not ops.config.int4_gemv
+        row_ok = not (c.qkv_bias or c.o_bias or c.tp_size > 1 or int4_off)
         if h.shape[0] == 1 and ops.row_fusion and row_ok:
             return self._forward_row(h, cos, sin, attn, kv_pool)
         residual = h
@@ -189,16 +191,13 @@ class LlamaForCausalLM(nn.Module):
         residual = h  # [1, hidden], updated in place by the o and down GEMVs
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            qkv = ops.gemv(residual, a.qkv_proj.weight, norm_weight=layer.input_layernorm.weight,
-                           eps=eps, w_scale=_scale(a.qkv_proj))  # fmt: skip
+            qkv = ops.row_project(residual, a.qkv_proj, norm_weight=layer.input_layernorm.weight,
+                                  eps=eps)  # fmt: skip
             out = self._attend(a.layer_id, qkv, cos, sin, attn, kv_pool)
-            ops.gemv(out, a.o_proj.weight, add_to=residual, w_scale=_scale(a.o_proj))
-            gate_up = ops.gemv(
-                residual, mlp.gate_up_proj.weight, norm_weight=layer.post_attention_layernorm.weight,
-                eps=eps, w_scale=_scale(mlp.gate_up_proj),
-            )  # fmt: skip
-            ops.gemv(gate_up, mlp.down_proj.weight, silu=True, add_to=residual,
-                     w_scale=_scale(mlp.down_proj))  # fmt: skip
+            ops.row_project(out, a.o_proj, add_to=residual)
+            gate_up = ops.row_project(residual, mlp.gate_up_proj,
+                                      norm_weight=layer.post_attention_layernorm.weight, eps=eps)  # fmt: skip
+            ops.row_project(gate_up, mlp.down_proj, silu=True, add_to=residual)
         return ops.rmsnorm(residual, self.model.norm.weight, eps)
 
     def _attend(
@@ -269,8 +268,3 @@ class LlamaForCausalLM(nn.Module):
             param.data = tensor
         else:
             dst.copy_(tensor)
-
-
-def _scale(layer: nn.Module) -> torch.Tensor | None:
-    """An FP8 projection's per-row weight scale (None for a plain one)."""
-    return getattr(layer, "weight_scale", None)
