@@ -692,6 +692,21 @@ def print_tiers(result: dict) -> None:
             )  # fmt: skip
             + f"{common.fmt(per, 1e3, 1):>10}"
         )
+    tiered = [label for label in labels if (result[label].get("server_cache") or {}).get(
+        "host_load_steps")]  # fmt: skip
+    if tiered:
+        print("the host tier's copies (steps with loads / writes, how many waited for the steps "
+              "still running, the worker's host ms to queue a step's copies):")  # fmt: skip
+        for label in tiered:
+            c = result[label]["server_cache"]
+            steps = c["host_load_steps"] + c.get("host_write_steps", 0)
+            issue = c.get("host_copy_issue_s", 0.0) / steps if steps else None
+            print(
+                f"  {label:<24}loads {c['host_load_steps']} ({c.get('host_load_steps_waited', 0)}"
+                f" waited)  writes {c.get('host_write_steps', 0)} "
+                f"({c.get('host_write_steps_waited', 0)} waited)  issue "
+                f"{common.fmt(issue, 1e3, 2)} ms"
+            )
 
 
 def plot(result: dict, path: str) -> None:

@@ -177,6 +177,15 @@ class CacheStats(msgspec.Struct, frozen=True):
     # time the model's steps waited for the host tier's copies (CUDA: the compute stream,
     # between reaching a step's copies and passing them; the CPU worker: the copies' wall time)
     host_copy_wait_s: float = 0.0
+    # the worker's host time queueing the copies (part of its launch: under the overlap schedule
+    # the previous step's result waits for it)
+    host_copy_issue_s: float = 0.0
+    # steps whose loads / writes waited for the steps still running (they touched a page of
+    # theirs); the others ran beside the running step
+    host_load_steps: int = 0
+    host_load_steps_waited: int = 0
+    host_write_steps: int = 0
+    host_write_steps_waited: int = 0
 
 
 class GrammarStats(msgspec.Struct, frozen=True):
@@ -390,6 +399,9 @@ class ForwardResult(_Msg):
     forward_s: float = 0.0
     load_s: float = 0.0  # the host -> device loads of this step, as the copy stream timed them
     copy_wait_s: float = 0.0  # how long this step's model waited for the host tier's copies
+    copy_issue_s: float = 0.0  # the worker's host time queueing them (HostKVPool.copy)
+    load_waited: bool = False  # its loads waited for the steps still running (a page of theirs)
+    write_waited: bool = False  # its writes did
     # the worker's host time to launch this step (ModelRunner.launch + sample: host preparation,
     # the host tier's copies queued, the model and sampling enqueued)
     launch_s: float = 0.0

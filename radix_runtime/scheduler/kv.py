@@ -255,6 +255,7 @@ class KvBook:
             batch.writes_block = copies.writes_block
             totals.host_written_bytes += len(src) * page_bytes
             totals.host_write_runs += host_page_runs(dst)
+            totals.host_write_steps += 1
         if copies.loads:
             src = np.concatenate([c.src for c in copies.loads])
             batch.load_src = pack_ids(src)
@@ -262,6 +263,7 @@ class KvBook:
             totals.host_loads += len(copies.loads)
             totals.host_loaded_bytes += len(src) * page_bytes
             totals.host_load_runs += host_page_runs(src)
+            totals.host_load_steps += 1
 
     def load_pays(self, tokens: int) -> bool:
         """Whether loading `tokens` tokens from the host is faster than computing them."""
@@ -274,6 +276,9 @@ class KvBook:
         """Feed the cost model: prefill throughput of this step, and the loads' time."""
         self.counters.host_load_s += result.load_s
         self.counters.host_copy_wait_s += result.copy_wait_s
+        self.counters.host_copy_issue_s += result.copy_issue_s
+        self.counters.host_load_steps_waited += result.load_waited
+        self.counters.host_write_steps_waited += result.write_waited
         tokens = sum(p.num_tokens for p in plan if p.num_tokens > 1)
         if tokens >= PREFILL_SAMPLE_MIN_TOKENS and result.forward_s > 0:
             tps = tokens / result.forward_s
@@ -341,6 +346,11 @@ class KvBook:
             host_load_runs=c.host_load_runs,
             host_write_runs=c.host_write_runs,
             host_copy_wait_s=c.host_copy_wait_s,
+            host_copy_issue_s=c.host_copy_issue_s,
+            host_load_steps=c.host_load_steps,
+            host_load_steps_waited=c.host_load_steps_waited,
+            host_write_steps=c.host_write_steps,
+            host_write_steps_waited=c.host_write_steps_waited,
         )
 
     def check_integrity(self, running: list[Req]) -> None:

@@ -68,6 +68,11 @@ class Counters:
     host_load_runs: int = 0  # runs of consecutive host pages loaded: the worker's copies
     host_write_runs: int = 0
     host_copy_wait_s: float = 0.0  # the steps' wait for the host tier's copies (worker-timed)
+    host_copy_issue_s: float = 0.0  # the worker's host time queueing them
+    host_load_steps: int = 0  # steps with loads
+    host_load_steps_waited: int = 0  # of them, loads that waited for the running steps
+    host_write_steps: int = 0
+    host_write_steps_waited: int = 0
 
 
 class SchedulerStats:

@@ -154,7 +154,9 @@ class HostKVPool:
         """A batch's copies, before its model runs: writes, then loads (called for every step,
         copies or not). `busy`: the KV pages that the steps still running read and write; a
         copy that touches none of theirs does not wait for them (None: every copy waits).
-        Returns what `load_time` and `wait_time` read once the step is done."""
+        Returns what `load_time` and `wait_time` read once the step is done, and whether the
+        loads / writes wait for the running steps (on the CPU: whether they would)."""
+        t0 = time.perf_counter()
         self._check(write_src, write_dst, load_src, load_dst)
         write_src, write_dst = last_per_destination(write_src, write_dst)
         load_src, load_dst = last_per_destination(load_src, load_dst)
@@ -163,17 +165,29 @@ class HostKVPool:
         write_src, write_dst = write_src[order], write_dst[order]
         order = np.argsort(load_src, kind="stable")
         load_src, load_dst = load_src[order], load_dst[order]
+        # a write reads its pages: it waits for the steps running only if one writes them; a
+        # load writes its pages: it waits if a running step reads or writes one of them
+        write_waits = bool(len(write_src)) and (busy is None or _touches(write_src, busy.written))
+        load_waits = bool(len(load_src)) and (
+            busy is None or _touches(load_dst, busy.read) or _touches(load_dst, busy.written)
+        )
         if not self.cuda:  # synchronous: the step waits for every copy
             if not len(write_src) and not len(load_src):
                 return CopyTiming()
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             if len(write_src):
                 self._write_sync(write_src, write_dst)
-            t1 = time.perf_counter()
+            t2 = time.perf_counter()
             if len(load_src):
                 self._load_sync(load_src, load_dst)
-            t2 = time.perf_counter()
-            return CopyTiming(load=t2 - t1 if len(load_src) else None, wait=t2 - t0)
+            t3 = time.perf_counter()
+            return CopyTiming(
+                load=t3 - t2 if len(load_src) else None,
+                wait=t3 - t1,
+                issue_s=t3 - t0,
+                load_waited=load_waits,
+                write_waited=write_waits,
+            )
         compute = torch.cuda.current_stream(self.dev.device)
         before = None  # the compute stream, before it waits for any copy
         if self._last_write_event is not None or len(write_src) or len(load_src):
@@ -183,22 +197,24 @@ class HostKVPool:
             compute.wait_event(self._last_write_event)  # the previous batch's writes
             self._last_write_event = None
         if len(write_src):
-            # a write reads its pages: it waits for the steps running only if one writes them
-            wait = busy is None or _touches(write_src, busy.written)
-            event = self._write_async(write_src, write_dst, compute, wait)
+            event = self._write_async(write_src, write_dst, compute, write_waits)
             self._last_write_event = event
             if writes_block:
                 compute.wait_event(event)
         load = None
         if len(load_src):
-            # a load writes its pages: it waits for the steps running if one reads or writes them
-            wait = busy is None or _touches(load_dst, busy.read) or _touches(load_dst, busy.written)
-            load = self._load_async(load_src, load_dst, compute, wait)
+            load = self._load_async(load_src, load_dst, compute, load_waits)
         if before is None:
             return CopyTiming()
         after = torch.cuda.Event(enable_timing=True)
         after.record(compute)
-        return CopyTiming(load=load, wait=(before, after))
+        return CopyTiming(
+            load=load,
+            wait=(before, after),
+            issue_s=time.perf_counter() - t0,
+            load_waited=load_waits,
+            write_waited=write_waits,
+        )
 
     @staticmethod
     def load_time(handle: CopyTiming | None) -> float:
@@ -338,6 +354,9 @@ class CopyTiming:
 
     load: tuple | float | None = None  # the loads (CUDA: on the side stream)
     wait: tuple | float | None = None  # the model's wait for the copies (CUDA: compute stream)
+    issue_s: float = 0.0  # the host's time in `copy` (CUDA: queueing the copies)
+    load_waited: bool = False  # the loads waited for the running steps (a page of theirs)
+    write_waited: bool = False  # the writes did
 
 
 def _seconds(timing) -> float:

@@ -493,6 +493,7 @@ class ModelRunner:
             pending.event.synchronize()
         self._in_flight.pop(pending.step, None)  # its kernels are done (the event follows them)
         load_s, wait_s = HostKVPool.load_time(pending.load), HostKVPool.wait_time(pending.load)
+        copies = pending.load or CopyTiming()
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0
@@ -534,6 +535,9 @@ class ModelRunner:
             forward_s=forward_s,
             load_s=load_s,
             copy_wait_s=wait_s,
+            copy_issue_s=copies.issue_s,
+            load_waited=copies.load_waited,
+            write_waited=copies.write_waited,
         )
 
     def _copy_to_host(

@@ -106,5 +106,11 @@ def test_server_with_the_cpp_tree_and_the_host_tier_keeps_greedy_outputs(tmp_pat
         assert host_cached > 0 and cache["host_loads"] > 0
         # the worker timed the loads, and the steps' wait for them (the CPU copies synchronously)
         assert 0 < cache["host_load_s"] <= cache["host_copy_wait_s"]
+        # batches with loads, each of one or more requests' loads, and the host time to queue
+        # them; the CPU worker collects a step before it launches the next, so nothing was
+        # running for a copy to wait for
+        assert 0 < cache["host_load_steps"] <= cache["host_loads"]
+        assert cache["host_write_steps"] > 0 and cache["host_copy_issue_s"] > 0
+        assert cache["host_load_steps_waited"] == cache["host_write_steps_waited"] == 0
     finally:
         assert server.stop() is not None

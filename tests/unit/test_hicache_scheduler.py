@@ -181,6 +181,9 @@ def test_metrics_label_cached_tokens_by_tier():
     # each batch's loads are at least one run and at most one run a page
     assert 0 < info.host_load_runs <= info.host_loaded_bytes // (64 * info.page_size)
     assert 0 < info.host_write_runs <= info.host_written_bytes // (64 * info.page_size)
+    # batches with loads / writes (the scheduler counts them as it sends them)
+    assert 0 < info.host_load_steps <= info.host_loads
+    assert 0 < info.host_write_steps <= info.host_write_runs
 
 
 def test_host_page_runs():

@@ -203,3 +203,30 @@ def test_a_batch_reports_its_load_time_and_the_steps_wait_for_its_copies():
     )  # fmt: skip
     # on the CPU the step waits for every copy: the writes and the loads
     assert 0.0 < HostKVPool.load_time(both) <= HostKVPool.wait_time(both)
+
+
+def test_a_batch_reports_whether_its_copies_wait_for_the_running_steps():
+    """`busy`: the pages the steps still running read and write. A load into one of them, or a
+    write of one they write, waits (CUDA: the side stream waits for the compute stream); the
+    rest run beside the step. The worker reports which did (and the host time to queue them)."""
+    from radix_runtime.worker.host_pool import StepPages
+
+    dev = KVPool(2, 16, 1, 2, 4, torch.float32, torch.device("cpu"))
+    _filled(dev, 0)
+    pool = HostKVPool(dev, 32)
+    busy = StepPages(read=np.array([3, 4], np.int32), written=np.array([4], np.int32))
+
+    def copy(ws, wd, ls, ld, busy=busy):
+        a = [np.array(x, np.int32) for x in (ws, wd, ls, ld)]
+        return pool.copy(*a, False, busy=busy)
+
+    apart = copy([3], [20], [9], [5])  # writes page 3 (only read by the step), loads into 5
+    assert not apart.load_waited and not apart.write_waited and apart.issue_s > 0
+    assert copy([], [], [9], [3]).load_waited  # page 3 is read by the running step
+    assert copy([4], [21], [], []).write_waited  # page 4 is written by it
+    assert copy([], [], [9], [4]).load_waited
+    # no page list (None): every copy waits; no copies: nothing waited
+    everything = copy([5], [22], [9], [6], busy=None)
+    assert everything.load_waited and everything.write_waited
+    idle = copy([], [], [], [])
+    assert not idle.load_waited and not idle.write_waited
