@@ -5,10 +5,11 @@
 
 The peer is llama-cpp-python's OpenAI server (`pip install 'radix_runtime[bench]'`) on the
 embedded default GGUF (SmolLM2-135M-Instruct, Q4_1). Ours is `radix-runtime serve` once per
-`--cpu-weight-format`. Both get `--threads` (ours through OMP_NUM_THREADS), and both are measured
-over HTTP with `/v1/completions`, greedy, EOS suppressed by logit_bias, engines alternating round
-by round so a busy machine hits both alike (each number is the median of the rounds; the spread
-is kept in the JSON). Per engine:
+`--cpu-weight-format` (an entry of `--formats` may add our flags after a colon, e.g.
+`int4:--cpu-small-step-threads=0`; the row is named by the whole entry). Both get `--threads`
+(ours through OMP_NUM_THREADS), and both are measured over HTTP with `/v1/completions`, greedy,
+EOS suppressed by logit_bias, engines alternating round by round so a busy machine hits both
+alike (each number is the median of the rounds; the spread is kept in the JSON). Per engine:
 
 - decode tok/s at batch 1 and 8: streamed completions of `--tokens` tokens; batch 1 counts from
   the first token to the last, batch 8 is the aggregate over the wall time of 8 concurrent ones;
@@ -236,7 +237,9 @@ def main() -> None:
     peer: list[dict] = []
     with LlamaCppServer(gguf, args.threads) as llama:
         for fmt in formats:
-            with LaunchedServer("default", [*flags, "--cpu-weight-format", fmt]) as server:
+            name, _, extra = fmt.partition(":")
+            fmt_flags = [*flags, "--cpu-weight-format", name, *shlex.split(extra)]
+            with LaunchedServer("default", fmt_flags) as server:
                 for r in range(args.rounds):  # alternate the engines
                     ours[fmt].append(measure(server.url, args.tokens, f"{fmt} {r}"))
                     peer.append(measure(llama.url, args.tokens, f"llama {fmt} {r}"))

@@ -22,6 +22,8 @@ class ServerArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # CPU weights: auto | float32 | bfloat16 | int8 | int4 (see worker/cpu_quant.py)
     cpu_weight_format: str = "auto"
+    # intra-op threads of a CPU step of at most 2 tokens (batch-1/2 decode); 0: all of them
+    cpu_small_step_threads: int = 1
     # quantize an unquantized checkpoint at load: none | fp8 (W8A8) | int4 (RTN, accuracy only)
     quantization: str = "none"
     device: str = "auto"  # auto | cpu | cuda
@@ -152,6 +154,10 @@ class ServerArgs:
             raise ValueError(f"unknown --attention-backend {self.attention_backend!r}")
         if self.cuda_graph_max_extend_tokens < 0:
             raise ValueError("--cuda-graph-max-extend-tokens must be >= 0")
+        if self.cpu_small_step_threads < 0:
+            raise ValueError(
+                "--cpu-small-step-threads must be >= 0 (0: all of the worker's threads)"
+            )
         if self.cpu_weight_format not in _CHOICES["cpu_weight_format"]:
             raise ValueError(f"unknown --cpu-weight-format {self.cpu_weight_format!r}")
         if self.cpu_weight_format != "auto" and self.device == "cuda":
@@ -294,6 +300,10 @@ _HELP = {
     "cpu_weight_format": "weights on the CPU: float32, bfloat16, or weight-only int8 / int4 "
     "(bfloat16 activations); auto: float32, or bfloat16 with --dtype bfloat16 "
     "(docs/cpu_weight_formats.md)",
+    "cpu_small_step_threads": "intra-op threads of a CPU step of at most 2 tokens (a batch-1 or "
+    "-2 decode step; larger steps use all of the worker's threads); 0: all of them. One thread "
+    "skips the OpenMP hand-offs that cost more than a second thread gains on such tiny matmuls "
+    "and leaves the other cores to the scheduler and HTTP processes (docs/cpu_weight_formats.md)",
     "tool_call_parser": "how /v1/chat/completions finds tool calls in a reply: hermes "
     "(<tool_call>{...}</tool_call>, Qwen2.5/Hermes and templates without tools), llama3 (a JSON "
     "reply, Llama 3.1); auto picks from the chat template (docs/tool_calling.md)",

@@ -125,7 +125,8 @@ class Int4Linear(nn.Module):
             rows, self.weight_int4, INT4_GROUP, self.scales_and_zeros
         )
         group_sums = rows.view(rows.shape[0], -1, INT4_GROUP).sum(-1, dtype=torch.float32)
-        y = torch.addmm(y.float(), group_sums, self.zero_residual).to(torch.bfloat16)
+        # added in float32 and rounded once, in place: the same bits as y.float() + ... -> bf16
+        y.add_(torch.mm(group_sums, self.zero_residual))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)

@@ -59,6 +59,8 @@ from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
 logger = logging.getLogger(__name__)
 
 NO_GRAMMAR = "constrained decoding is not available (xgrammar is not installed)"
+# a CPU step of at most this many tokens runs on --cpu-small-step-threads intra-op threads
+SMALL_STEP_TOKENS = 2
 _PLACEHOLDER = np.zeros(1, np.int32)  # a from_last_sample row's input id on the host
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,8 +134,14 @@ class ModelRunner:
         self.tp = tp or TPRank()
         self.device = self.tp.pin(pick_device(args.device))
         self.dtype = pick_dtype(args.dtype, self.device)
+        # CPU intra-op threads: all of this rank's cores, and `small_step_threads` for a step of
+        # at most SMALL_STEP_TOKENS tokens (`_cpu_threads_for`)
+        self.threads = self.small_step_threads = 0
         if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads(ranks_here=args.tp // args.nnodes))
+            self.threads = cpu_threads(ranks_here=args.tp // args.nnodes)
+            small = args.cpu_small_step_threads
+            self.small_step_threads = min(small, self.threads) if small else self.threads
+            torch.set_num_threads(self.threads)
         torch.manual_seed(args.seed)
         self.tp.join(self.device)
         # int4 weights stay packed where the int4 GEMV runs (CUDA, with the kernels)
@@ -391,6 +399,8 @@ class ModelRunner:
         if not batch.reqs:
             return pending
         layout = self._prepare(batch.reqs)
+        if self.threads:
+            self._cpu_threads_for(layout.meta.num_tokens)
         self._in_flight[pending.step] = layout.pages
         pending.deferred = (layout, self._logits(layout, keep_logits), keep_logits)
         if not (
@@ -400,6 +410,15 @@ class ModelRunner:
         else:
             self._deferred = pending
         return pending
+
+    def _cpu_threads_for(self, tokens: int) -> None:
+        """Intra-op threads of a CPU step's layers: one (--cpu-small-step-threads) for a batch-1/2
+        decode step, whose matmuls are too small for a second thread to pay for its OpenMP
+        hand-offs (docs/decisions.md, "CPU decode threads"); all of them for anything larger
+        (and for every step's LM head)."""
+        n = self.small_step_threads if tokens <= SMALL_STEP_TOKENS else self.threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     @torch.inference_mode()
     def sample(self, pending: PendingStep) -> None:
@@ -559,6 +578,8 @@ class ModelRunner:
         self.attn.plan(meta)
         hidden = self.model(layout.input_ids, meta.positions, self.attn, self.kv_pool)
         rows = to_device(layout.logit_rows, torch.long, self.device)
+        if self.threads:  # the LM head is one large matmul: all threads, whatever the step
+            self._cpu_threads_for(SMALL_STEP_TOKENS + 1)
         return self.model.compute_logits(hidden[rows])
 
     # ------------------------------------------------------------------------------------------

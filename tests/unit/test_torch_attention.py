@@ -1,7 +1,8 @@
-"""The torch attention backend's decode rows (worker/attention/torch_native.py): one index_select
-per layer for the whole decode group, a view of the pool for a lone request whose keys sit in a
-run of pages, no mask when no row is padded; every case against a plain per-request reference
-(each request's keys gathered by hand, softmax over all of them)."""
+"""The torch attention backend (worker/attention/torch_native.py): decode rows read with one
+index_select per layer for the whole decode group, a view of the pool for a lone request whose
+keys sit in a run of pages, no mask when no row is padded; a prefill chunk whose keys sit in a run
+of pages reads a view too. Every case against a plain per-request reference (each request's keys
+gathered by hand, softmax over all of them)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,38 @@ def test_decode_rows_match_a_per_request_reference(case):
     assert (decode.mask is None) == (
         len(set(len(p) for p, n in zip(pages, qo_lens) if n == 1)) == 1
     )
+
+
+PREFILL_CASES = {
+    "fresh prompt in a run of pages (a view)": ([np.arange(10, 40)], [30], True),
+    "cached prefix, new tokens right after it (a view)": ([np.arange(10, 40)], [6], True),
+    "cached prefix, new tokens on other pages": ([np.r_[10:34, 90:96]], [6], False),
+    "two chunks, one viewed": ([np.arange(10, 40), np.r_[50:60, 70:75]], [8, 5], None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_chunks_match_a_per_request_reference(case):
+    pages, qo_lens, viewed = PREFILL_CASES[case]
+    gen = torch.Generator().manual_seed(1)
+    pool = KVPool(1, 256, 1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    pool.k_flat(0).copy_(torch.randn(pool.k_flat(0).shape, generator=gen))
+    pool.v_flat(0).copy_(torch.randn(pool.v_flat(0).shape, generator=gen))
+    backend = TorchNativeBackend(HEADS, KV_HEADS, DIM, torch.device("cpu"))
+    backend.plan(metadata(pages, qo_lens))
+    n = sum(qo_lens)
+    q = torch.randn(n, HEADS, DIM, generator=gen)
+    k, v = (
+        torch.randn(n, KV_HEADS, DIM, generator=gen),
+        torch.randn(n, KV_HEADS, DIM, generator=gen),
+    )
+    out = backend.forward(0, q, k, v, pool)
+    torch.testing.assert_close(out, reference(q, pool, pages, qo_lens), rtol=1e-5, atol=1e-5)
+    chunks = backend._plans[0][1]
+    spans = [c.span is not None for c in chunks]
+    assert spans == ([viewed] if viewed is not None else [True, False])
+    for c, p in zip(chunks, pages):
+        if c.span is not None:
+            assert c.span == (int(p[0]), int(p[-1]) + 1)
+        # the view holds exactly what an index_select of the locations would
+        assert torch.equal(c.gather(pool.k_flat(0)), pool.k_flat(0)[c.kv_locs].unsqueeze(0))

@@ -45,6 +45,21 @@ class _PrefillChunk:
     end: int
     kv_locs: torch.Tensor  # [seq_len] int64
     mask: torch.Tensor | None  # [n, seq_len] bool, None when there is no cached prefix
+    span: tuple[int, int] | None = None  # the keys at pool locations [a, b): a view, no gather
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """[1, seq_len, Hkv, D] from a layer's [locations, Hkv, D] pool."""
+        if self.span is not None:
+            return flat[self.span[0] : self.span[1]].unsqueeze(0)
+        return flat.index_select(0, self.kv_locs).unsqueeze(0)
+
+
+def _span(locs: np.ndarray) -> tuple[int, int] | None:
+    """[a, b) when `locs` are the consecutive pool locations a..b-1 (then a slice of the pool
+    holds the same values, in the same layout, as an index_select of them), else None."""
+    if len(locs) and (len(locs) == 1 or (np.diff(locs) == 1).all()):
+        return int(locs[0]), int(locs[-1]) + 1
+    return None
 
 
 def sequence_locations(meta: AttentionMetadata, i: int) -> np.ndarray:
@@ -120,11 +135,15 @@ class TorchNativeBackend(AttentionBackend):
         if window and prefix + end - start > window:
             first = max(0, prefix - window + 1)  # the first key the chunk's first query sees
             mask = windowed_causal_mask(prefix, end - start, first, window, self.device)
-            locs = torch.from_numpy(sequence_locations(meta, i)[first:]).to(self.device)
-            return _PrefillChunk(start, end, locs, mask)
-        mask = shifted_causal_mask(prefix, end - start, self.device) if prefix else None
-        locs = torch.from_numpy(sequence_locations(meta, i)).to(self.device)
-        return _PrefillChunk(start, end, locs, mask)
+            locs = sequence_locations(meta, i)[first:]
+        else:
+            mask = shifted_causal_mask(prefix, end - start, self.device) if prefix else None
+            locs = sequence_locations(meta, i)
+        # a chunk whose keys sit in one run of pages (a fresh prompt, a cached turn that got the
+        # pages after its prefix's) reads a view of the pool instead of copying it every layer
+        span = _span(locs)
+        kv_locs = torch.from_numpy(locs).to(self.device)
+        return _PrefillChunk(start, end, kv_locs, mask, span)
 
     def forward(
         self,
@@ -153,8 +172,7 @@ class TorchNativeBackend(AttentionBackend):
         for c in prefills:
             q_c = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             mask = c.mask[None, None] if c.mask is not None else None
-            k_c = k_all.index_select(0, c.kv_locs).unsqueeze(0)
-            v_c = v_all.index_select(0, c.kv_locs).unsqueeze(0)
+            k_c, v_c = c.gather(k_all), c.gather(v_all)
             out[c.start : c.end] = self._sdpa(q_c, k_c, v_c, mask)[0].transpose(0, 1)
         return out
 
@@ -171,13 +189,13 @@ class TorchNativeBackend(AttentionBackend):
         if self._read is not None:
             k, v = self._read[0].dequantize(self._read[1], k, v)
         k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+        kwargs = dict(
+            attn_mask=mask,
+            is_causal=mask is None and causal,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        if q.device.type == "cpu":  # no cuDNN to keep out; the context costs ~30 us a layer
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
         with sdpa_kernel(_SDPA_KERNELS):
-            return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                is_causal=mask is None and causal,
-                scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
