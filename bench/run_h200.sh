@@ -145,7 +145,7 @@ for stage in "${stages[@]}"; do
         structured)
             timeout 580 python3 bench/structured.py --model llama-3.1-8b \
                 --server-args "--load-format dummy ${TOKENIZER:+--tokenizer $TOKENIZER}" \
-                --batch 1,64 --tokens 128 --schemas 20 --jump-repeats 2 \
+                --batch 1,64,256 --tokens 128 --schemas 20 --jump-repeats 2 \
                 --out "$OUT/h200_structured.json" || status=1 ;;
         grammar_host)
             timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,4,8,auto \
