@@ -345,7 +345,7 @@ def run(opts: argparse.Namespace) -> dict:
     config = base_config(opts)
     targets = all_targets(opts)
     sections = run_targets(targets, opts, config)
-    on, off = sections["cache_on"], sections.get("cache_off")
+    on, off = sections.get("cache_on"), sections.get("cache_off")
     reference = common.CACHE_OFF_REFERENCE if off else "none (cache on only)"
     if "unrestricted" in sections:
         reference = (
@@ -361,11 +361,15 @@ def run(opts: argparse.Namespace) -> dict:
         **extra,
         "tiers": tier_ratios(sections, opts),
         "ratios": {
-            "ttft_p50_off_over_on": common.ratio(off and off["ttft_p50_s"], on["ttft_p50_s"]),
-            "output_tok_s_on_over_off": common.ratio(
-                on["output_tok_s"], off and off["output_tok_s"]
+            "ttft_p50_off_over_on": common.ratio(
+                off and off["ttft_p50_s"], on and on["ttft_p50_s"]
             ),
-            "hit_rate_over_optimal": common.ratio(on["hit_rate"], on["optimal_hit_rate"]),
+            "output_tok_s_on_over_off": common.ratio(
+                on and on["output_tok_s"], off and off["output_tok_s"]
+            ),
+            "hit_rate_over_optimal": common.ratio(
+                on and on["hit_rate"], on and on["optimal_hit_rate"]
+            ),
         },
     }
 
@@ -475,6 +479,9 @@ def all_targets(opts: argparse.Namespace) -> list[common.Target]:
             del flags[i : i + 2]
         flags += ["--max-total-tokens", str(opts.unrestricted_tokens)]
         targets.append(common.Target("unrestricted", None, tuple(flags)))
+    if opts.skip_device_only and len(targets) > 1 and not targets[0].url:
+        # the tier's goals compare the tiered runs with the unrestricted pool only
+        targets = [t for t in targets if t.label != "cache_on"]
     return targets
 
 
@@ -616,6 +623,8 @@ def check_fits(longest: int, info: dict) -> None:
 
 def print_table(result: dict) -> None:
     on, off = result["cache_on"], result["cache_off"]
+    if on is None:  # --skip-device-only
+        return
     sections = {"cache on": on} | ({"cache off": off} if off else {})
     print_metrics(sections, METRICS, width=12, ratio_head="off / on" if off else None)
     ratios = result["ratios"]
@@ -813,6 +822,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="also run with --max-total-tokens N (the reference of the host-tier goals)",
     )
+    p.add_argument(
+        "--skip-device-only",
+        action="store_true",
+        help="with --hicache-policies or --unrestricted-tokens, leave out the device-only run "
+        "(cache_on): only the tiered runs and the unrestricted pool (and cache off if asked)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", help="write the results as JSON here")
     o.add_argument("--plot", help="write a PNG plot here")
@@ -841,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tiers(result)
     if opts.out:
         common.write_json(opts.out, result)
-    if opts.plot:
+    if opts.plot and result["cache_on"] is not None:
         plot(result, opts.plot)
     sections = [s for s in (result["cache_on"], result["cache_off"]) if s]
     sections += [result[k] for k in result.get("tiers", {}) if k in result and k != "cache_on"]

@@ -20,7 +20,7 @@
 #   int4       bench/quant.py: the int4 and FP8 GEMV block sweeps on the one-token layer's fused
 #              GEMVs, then bf16, FP8 and packed int4 (W4A16) decode at batch 1 (with the sweeps'
 #              winners) and prefill 8K in one run -> $OUT/h200_quant_kernels.json
-#   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64,
+#   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
 #              at batch 64 per --grammar-fill-threads value (0, 4, 8, the default)
@@ -145,7 +145,7 @@ for stage in "${stages[@]}"; do
         structured)
             timeout 580 python3 bench/structured.py --model llama-3.1-8b \
                 --server-args "--load-format dummy ${TOKENIZER:+--tokenizer $TOKENIZER}" \
-                --batch 1,64 --tokens 128 --schemas 20 --jump-repeats 2 \
+                --batch 1,64,256 --tokens 128 --schemas 20 --jump-repeats 2 \
                 --out "$OUT/h200_structured.json" || status=1 ;;
         grammar_host)
             timeout 300 python3 bench/grammar_host.py --batch 64 --threads 0,4,8,auto \

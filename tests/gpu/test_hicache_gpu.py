@@ -211,3 +211,20 @@ def test_outputs_with_the_host_tier_on_cuda(monkeypatch):
             on, sched = eq.run(tiered_runner, args, prompts, greedy, arrivals)
             assert on == off and sched.tree_impl == impl
             assert sched.host_cached_tokens_total > 0
+
+
+def test_a_cuda_batch_reports_which_copies_waited_and_its_host_time():
+    """The flags the worker reports per step (ForwardResult.load_waited / write_waited) are the
+    waits the copies were queued with; issue_s is the host's time in `copy`."""
+    dev, host = _pools()
+    none = np.zeros(0, np.int32)
+    busy = StepPages(read=np.array([3, 4], np.int32), written=np.array([4], np.int32))
+    apart = host.copy(np.array([3], np.int32), np.array([20], np.int32), np.array([9], np.int32),
+                      np.array([5], np.int32), False, busy=busy)  # fmt: skip
+    assert not apart.load_waited and not apart.write_waited and apart.issue_s > 0
+    touching = host.copy(np.array([4], np.int32), np.array([21], np.int32),
+                         np.array([9], np.int32), np.array([3], np.int32), False, busy=busy)  # fmt: skip
+    assert touching.load_waited and touching.write_waited
+    idle = host.copy(none, none, none, none, False, busy=busy)
+    assert not idle.load_waited and not idle.write_waited
+    torch.cuda.synchronize()

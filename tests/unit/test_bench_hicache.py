@@ -25,6 +25,10 @@ def test_targets_add_one_run_per_policy_and_the_unrestricted_pool():
     unr = targets["unrestricted"]
     assert unr.count("--max-total-tokens") == 1 and unr[-1] == "9000"
     assert list(mtc.all_targets(_opts())) == mtc.all_targets(_opts())[:1]
+    # --skip-device-only: the tiered runs and the unrestricted pool only (a lone run stays)
+    opts = _opts("--skip-device-only", hicache_policies="write_through", unrestricted_tokens=9000)
+    assert [t.label for t in mtc.all_targets(opts)] == ["hicache_write_through", "unrestricted"]
+    assert [t.label for t in mtc.all_targets(_opts("--skip-device-only"))] == ["cache_on"]
 
 
 def test_tier_ratios():
