@@ -57,6 +57,22 @@ def reference(q, pool, pages, qo_lens):
     return torch.cat(out).float()
 
 
+def planned_forward(pages, qo_lens, seed):
+    """A one-layer pool of random K/V, the backend planned for `pages` / `qo_lens`, and its
+    output for random q, k, v (stored at the new tokens' locations first)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = KVPool(1, 256, 1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
+    pool.k_flat(0).copy_(torch.randn(pool.k_flat(0).shape, generator=gen))
+    pool.v_flat(0).copy_(torch.randn(pool.v_flat(0).shape, generator=gen))
+    backend = TorchNativeBackend(HEADS, KV_HEADS, DIM, torch.device("cpu"))
+    backend.plan(metadata(pages, qo_lens))
+    n = sum(qo_lens)
+    q = torch.randn(n, HEADS, DIM, generator=gen)
+    k = torch.randn(n, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(n, KV_HEADS, DIM, generator=gen)
+    return backend, pool, q, backend.forward(0, q, k, v, pool)
+
+
 CASES = {
     "lone request, a run of pages (a view)": ([np.arange(5, 45)], [1], True),
     "lone request, scattered pages": ([np.r_[7:20, 60:80, 3]], [1], False),
@@ -68,20 +84,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_decode_rows_match_a_per_request_reference(case):
     pages, qo_lens, viewed = CASES[case]
-    gen = torch.Generator().manual_seed(0)
-    pool = KVPool(1, 256, 1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
-    pool.k_flat(0).copy_(torch.randn(pool.k_flat(0).shape, generator=gen))
-    pool.v_flat(0).copy_(torch.randn(pool.v_flat(0).shape, generator=gen))
-    backend = TorchNativeBackend(HEADS, KV_HEADS, DIM, torch.device("cpu"))
-    meta = metadata(pages, qo_lens)
-    backend.plan(meta)
-    n = sum(qo_lens)
-    q = torch.randn(n, HEADS, DIM, generator=gen)
-    k, v = (
-        torch.randn(n, KV_HEADS, DIM, generator=gen),
-        torch.randn(n, KV_HEADS, DIM, generator=gen),
-    )
-    out = backend.forward(0, q, k, v, pool)  # stores k, v at the new tokens' locations first
+    backend, pool, q, out = planned_forward(pages, qo_lens, seed=0)
     torch.testing.assert_close(out, reference(q, pool, pages, qo_lens), rtol=1e-5, atol=1e-5)
     decode = backend._plans[0][0]
     if viewed is not None:
@@ -102,19 +105,7 @@ PREFILL_CASES = {
 @pytest.mark.parametrize("case", PREFILL_CASES)
 def test_prefill_chunks_match_a_per_request_reference(case):
     pages, qo_lens, viewed = PREFILL_CASES[case]
-    gen = torch.Generator().manual_seed(1)
-    pool = KVPool(1, 256, 1, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
-    pool.k_flat(0).copy_(torch.randn(pool.k_flat(0).shape, generator=gen))
-    pool.v_flat(0).copy_(torch.randn(pool.v_flat(0).shape, generator=gen))
-    backend = TorchNativeBackend(HEADS, KV_HEADS, DIM, torch.device("cpu"))
-    backend.plan(metadata(pages, qo_lens))
-    n = sum(qo_lens)
-    q = torch.randn(n, HEADS, DIM, generator=gen)
-    k, v = (
-        torch.randn(n, KV_HEADS, DIM, generator=gen),
-        torch.randn(n, KV_HEADS, DIM, generator=gen),
-    )
-    out = backend.forward(0, q, k, v, pool)
+    backend, pool, q, out = planned_forward(pages, qo_lens, seed=1)
     torch.testing.assert_close(out, reference(q, pool, pages, qo_lens), rtol=1e-5, atol=1e-5)
     chunks = backend._plans[0][1]
     spans = [c.span is not None for c in chunks]
