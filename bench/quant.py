@@ -39,13 +39,9 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.ceilings import cuda_time_ms
 from bench.common import provenance, write_json
-from bench.gpu_worker import (
-    Bench,
-    cuda_time_ms,
-    read_bandwidth_TBps,
-    weight_bytes_per_decode_step,
-)
+from bench.gpu_worker import Bench, read_bandwidth_TBps, weight_bytes_per_decode_step
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker.kv_pool import KVPool
 from radix_runtime.worker.model_runner import ModelRunner
