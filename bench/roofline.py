@@ -60,11 +60,15 @@ class ModelShape:
         return self.vocab_size * self.hidden_size
 
     @property
+    def decode_params(self) -> int:
+        """Matmul weights of a decode row: every layer's and the LM head."""
+        return self.num_layers * self.layer_params + self.lm_head_params
+
+    @property
     def decode_weight_bytes(self) -> float:
         """Weights a decode step reads: every layer's and the LM head (the embedding table only
         one row per token, which is negligible)."""
-        params = self.num_layers * self.layer_params + self.lm_head_params
-        return params * self.weight_bytes_per_param
+        return self.decode_params * self.weight_bytes_per_param
 
     @property
     def kv_bytes_per_token_layer(self) -> float:
@@ -135,8 +139,7 @@ def decode_kv_bytes(shape: ModelShape, prompt: int, output: int) -> float:
 def decode_flops(shape: ModelShape, prompt: int, output: int) -> float:
     """Matmul FLOPs of a request's decode rows: the weights (LM head included) and attention."""
     rows = max(output - 1, 0)
-    weights = shape.num_layers * shape.layer_params + shape.lm_head_params
-    return 2 * rows * weights + attention_flops(shape, prompt, prompt + rows)
+    return 2 * rows * shape.decode_params + attention_flops(shape, prompt, prompt + rows)
 
 
 def ideal_decode_steps(
@@ -215,11 +218,10 @@ def serial_decode_s(
     rows = sum(max(o - 1, 0) for _, _, o in requests)
     if rows == 0 or decode_steps <= 0:
         return 0.0
-    weights = shape.num_layers * shape.layer_params + shape.lm_head_params
     batch = rows / decode_steps
     matmul_step = max(
         shape.decode_weight_bytes / ceilings.bandwidth,
-        2 * batch * weights / ceilings.matmul_flops,
+        2 * batch * shape.decode_params / ceilings.matmul_flops,
     )
     kv_bytes = sum(decode_kv_bytes(shape, i, o) for i, _, o in requests)
     attn_flops = sum(attention_flops(shape, i, i + max(o - 1, 0)) for i, _, o in requests)
