@@ -95,14 +95,12 @@ def host_ids(pages: int, run: int, host_pages: int, rng: np.random.Generator) ->
     return ids.astype(np.int32)
 
 
-def best_s(fn, sync, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def elapsed_s(fn, sync) -> float:
+    """Seconds of one call of `fn`, until `sync` returns."""
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
 
 
 def batch_ops(pool, previous, src, dst, handles, plain) -> dict:
@@ -162,7 +160,7 @@ def main(argv=None) -> int:
         seconds = {k: float("inf") for k in ops}
         for _ in range(args.repeats):  # interleaved
             for k, fn in ops.items():
-                seconds[k] = min(seconds[k], best_s(fn, sync, 1))
+                seconds[k] = min(seconds[k], elapsed_s(fn, sync))
         row = {f"{k}_bytes_per_s": nbytes / s for k, s in seconds.items()}
         for k in ops:
             if k != "copy":
