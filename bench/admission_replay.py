@@ -24,8 +24,6 @@ import random
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
@@ -156,8 +154,8 @@ def replay(opts: argparse.Namespace, pool: int, hicache: bool) -> dict:
         waits = [first[rid] - arrived[rid] for rid in arrived if rid.endswith(f"r{r}")]
         per_round.append(
             {
-                "steps_to_first_token_p50": float(np.median(waits)),
-                "steps_to_first_token_p90": float(np.percentile(waits, 90)),
+                "steps_to_first_token_p50": common.percentile(waits, 50),
+                "steps_to_first_token_p90": common.percentile(waits, 90),
                 "steps_to_first_token_max": int(max(waits)),
             }
         )
