@@ -545,12 +545,15 @@ def times_delta(before: dict | None, after: dict | None) -> dict | None:
     return out
 
 
+# the server's TTFT and the parts of it measured on their own (times_delta's key prefixes)
+TTFT_PARTS = ("time_to_first_token", "inbox_time", "queue_time", "prefill_time",
+              "first_token_transit")  # fmt: skip
+
+
 def ttft_rest(times: dict) -> float | None:
     """The server's mean TTFT minus its measured parts (inbox, queue, prefill, transit): the
     time between them (the scheduler's first token sampled -> sent, the event loops' hops)."""
-    keys = ("time_to_first_token", "inbox_time", "queue_time", "prefill_time",
-            "first_token_transit")  # fmt: skip
-    values = [times.get(f"{k}_mean_s") for k in keys]
+    values = [times.get(f"{k}_mean_s") for k in TTFT_PARTS]
     if any(v is None for v in values):
         return None
     return values[0] - sum(values[1:])
@@ -684,16 +687,7 @@ def print_tiers(result: dict) -> None:
         per = wait / loaded if wait and loaded else None
         print(
             f"  {label:<24}{common.fmt(sec.get('ttft_mean_s'), 1e3, 1):>8}"
-            + "".join(
-                f"{common.fmt(times.get(f'{k}_mean_s'), 1e3, 1):>8}"
-                for k in (
-                    "time_to_first_token",
-                    "inbox_time",
-                    "queue_time",
-                    "prefill_time",
-                    "first_token_transit",
-                )
-            )
+            + "".join(f"{common.fmt(times.get(f'{k}_mean_s'), 1e3, 1):>8}" for k in TTFT_PARTS)
             + f"{common.fmt(ttft_rest(times), 1e3, 1):>8}"
             + "".join(
                 f"{common.fmt(times.get(f'{k}_mean_s'), 1e3, 1):>8}"
