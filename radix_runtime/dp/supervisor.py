@@ -32,6 +32,7 @@ import msgspec
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.dp.router import MISSING, build_router_args, router_installed
+from radix_runtime.frontend.errors import SERVER_ERROR, error_body
 from radix_runtime.utils.procs import configure_logging, set_process_title, spawn_child
 
 logger = logging.getLogger("radix_runtime.dp")
@@ -202,12 +203,7 @@ class HealthServer:
         body = {"status": "degraded" if dead else "ok", "replicas": replicas}
         if not dead:
             return 200, body
-        body["error"] = {
-            "message": "; ".join(dead),
-            "type": "server_error",
-            "param": None,
-            "code": "replica_dead",
-        }
+        body.update(error_body("; ".join(dead), SERVER_ERROR, code="replica_dead"))
         return 503, body
 
     def close(self) -> None:
