@@ -127,6 +127,13 @@ def plan_replicas(
     return plans
 
 
+def replicas_share_a_gpu(plans: list[ReplicaPlan]) -> bool:
+    """Whether two of `plans` run on one GPU: then each sizes its KV pool from the memory the
+    ones before it left free, so they start one after another."""
+    gpus = [p.gpu for p in plans if p.gpu is not None]
+    return len(gpus) > len(set(gpus))
+
+
 def router_settings(args: ServerArgs, plans: list[ReplicaPlan]) -> dict:
     """sglang_router's RouterArgs for the router in front of `plans`."""
     return {
@@ -306,8 +313,7 @@ class Supervisor:
             return False
         cpus = sorted(os.sched_getaffinity(0))
         self.plans = plan_replicas(args, gpus, cpus, [free_port() for _ in range(args.dp)])
-        shared_gpu = bool(gpus) and len(gpus) < args.dp
-        if shared_gpu:  # each sizes its pool from what the ones before it left free
+        if replicas_share_a_gpu(self.plans):
             for plan in self.plans:
                 self._spawn_replica(plan)
                 if not self._wait_healthy([plan], STARTUP_TIMEOUT_S):
