@@ -116,6 +116,7 @@ class PendingStep:
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
     load: CopyTiming | None = None  # the host tier's copy timing (HostKVPool.load_time)
     deferred: tuple | None = None  # (layout, logits, keep_logits) until `sample` runs
+    launch_s: float = 0.0  # the worker loop's host time to launch it (ForwardResult.launch_s)
 
     def ready(self) -> bool:
         """True when `collect` would not wait (always, off CUDA)."""
