@@ -384,7 +384,8 @@ _CHOICES = {
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServerArgs field, typed from the field's default."""
+    """One flag per ServerArgs field, typed from the field's default (or, for a None
+    default, its annotation)."""
     for f in dataclasses.fields(ServerArgs):
         default = f.default
         kwargs: dict = {"default": default, "help": _HELP.get(f.name)}
@@ -399,12 +400,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                 kwargs["type"] = int
             elif isinstance(default, float):
                 kwargs["type"] = float
-            elif f.name in (
-                "max_total_tokens",
-                "context_length",
-                "max_running_requests",
-                "grammar_fill_threads",
-            ):
+            elif f.type == "int | None":  # default None: typed from the annotation
                 kwargs["type"] = int
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
     parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp", type=int,

@@ -22,7 +22,12 @@ import msgspec
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.dp.replica_set import ReplicaSet
-from radix_runtime.dp.supervisor import ReplicaPlan, plan_replicas, visible_gpus
+from radix_runtime.dp.supervisor import (
+    ReplicaPlan,
+    plan_replicas,
+    replicas_share_a_gpu,
+    visible_gpus,
+)
 from radix_runtime.frontend.builders import InputBuilder
 from radix_runtime.frontend.errors import ApiError, GenerationError
 from radix_runtime.frontend.generations import Generations
@@ -53,9 +58,7 @@ class Engine:
         try:
             source, tokenizer = load_frontend(self.args)
             plans = self._placement()
-            # replicas sharing a GPU size their KV pools from the memory the ones before them
-            # left free: they start one after another (as serve --dp starts them)
-            one_by_one = sum(p.gpu is not None for p in plans) > len({p.gpu for p in plans})
+            one_by_one = replicas_share_a_gpu(plans)  # as serve --dp starts them
             for plan in plans:
                 children = Children(plan.args, env=plan.env, cpus=plan.cpus)
                 self.replicas.append(children)

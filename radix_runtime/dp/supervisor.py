@@ -32,6 +32,7 @@ import msgspec
 
 from radix_runtime.config import ServerArgs
 from radix_runtime.dp.router import MISSING, build_router_args, router_installed
+from radix_runtime.frontend.errors import SERVER_ERROR, error_body
 from radix_runtime.utils.procs import configure_logging, set_process_title, spawn_child
 
 logger = logging.getLogger("radix_runtime.dp")
@@ -126,6 +127,13 @@ def plan_replicas(
     return plans
 
 
+def replicas_share_a_gpu(plans: list[ReplicaPlan]) -> bool:
+    """Whether two of `plans` run on one GPU: then each sizes its KV pool from the memory the
+    ones before it left free, so they start one after another."""
+    gpus = [p.gpu for p in plans if p.gpu is not None]
+    return len(gpus) > len(set(gpus))
+
+
 def router_settings(args: ServerArgs, plans: list[ReplicaPlan]) -> dict:
     """sglang_router's RouterArgs for the router in front of `plans`."""
     return {
@@ -202,12 +210,7 @@ class HealthServer:
         body = {"status": "degraded" if dead else "ok", "replicas": replicas}
         if not dead:
             return 200, body
-        body["error"] = {
-            "message": "; ".join(dead),
-            "type": "server_error",
-            "param": None,
-            "code": "replica_dead",
-        }
+        body.update(error_body("; ".join(dead), SERVER_ERROR, code="replica_dead"))
         return 503, body
 
     def close(self) -> None:
@@ -310,8 +313,7 @@ class Supervisor:
             return False
         cpus = sorted(os.sched_getaffinity(0))
         self.plans = plan_replicas(args, gpus, cpus, [free_port() for _ in range(args.dp)])
-        shared_gpu = bool(gpus) and len(gpus) < args.dp
-        if shared_gpu:  # each sizes its pool from what the ones before it left free
+        if replicas_share_a_gpu(self.plans):
             for plan in self.plans:
                 self._spawn_replica(plan)
                 if not self._wait_healthy([plan], STARTUP_TIMEOUT_S):

@@ -115,9 +115,6 @@ class TorchNativeBackend(AttentionBackend):
             locs[row, : lens[row]] = sequence_locations(meta, int(i))[-int(lens[row]) :]
         padded = bool((lens < locs.shape[1]).any())
         mask = np.arange(locs.shape[1])[None, :] < lens[:, None]
-        span = None
-        if len(ids) == 1 and (np.diff(locs[0]) == 1).all():
-            span = (int(locs[0, 0]), int(locs[0, -1]) + 1)
         every_row = len(ids) == meta.num_tokens  # a decode-only batch: rows 0..Bd-1 in order
         return _DecodeGroup(
             rows=None
@@ -126,7 +123,7 @@ class TorchNativeBackend(AttentionBackend):
             kv_locs=torch.from_numpy(locs.reshape(-1)).to(self.device),
             shape=locs.shape,
             mask=torch.from_numpy(mask[:, None, None, :]).to(self.device) if padded else None,
-            span=span,
+            span=_span(locs[0]) if len(ids) == 1 else None,
         )
 
     def _plan_prefill(self, meta: AttentionMetadata, i: int, window: int = 0) -> _PrefillChunk:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from radix_runtime.worker.kernels import activation, gemv, int4_gemv, norms, rope
 from radix_runtime.worker.kernels.config import KernelConfig
+from radix_runtime.worker.kernels.int4_gemv import INT4_NORM, INT4_PLAIN, INT4_SILU
 
 
 class FusedOps:
@@ -64,7 +65,7 @@ class FusedOps:
         qweight = getattr(layer, "qweight", None)
         fused = dict(norm_weight=norm_weight, eps=eps, silu=silu, add_to=add_to)
         if qweight is not None:
-            prologue = 2 if silu else 1 if norm_weight is not None else 0
+            prologue = INT4_SILU if silu else INT4_NORM if norm_weight is not None else INT4_PLAIN
             config = self._int4_config(qweight, prologue, add_to is not None)
             return int4_gemv.int4_gemv(
                 x, qweight, layer.gemv_scales, layer.group_size, config, **fused
@@ -90,7 +91,7 @@ class FusedOps:
                 y = int4_gemv.int4_gemv_rows(x, qweight, layer.gemv_scales, layer.group_size)
             elif c.int4_gemv and rows <= c.int4_gemv_max_rows:
                 y = int4_gemv.int4_gemv(x, qweight, layer.gemv_scales, layer.group_size,
-                                        self._int4_config(qweight, 0, False))  # fmt: skip
+                                        self._int4_config(qweight, INT4_PLAIN, False))  # fmt: skip
             elif c.int4_gemv and rows <= c.int4_gemm_max_rows:
                 y = int4_gemv.int4_gemm(x, qweight, layer.scales, layer.zeros, layer.group_size)
             else:
