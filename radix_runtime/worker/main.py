@@ -77,14 +77,12 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
         time.sleep(0.2)
         raise SystemExit(2) from exc
 
-    launch_s: dict[int, float] = {}  # step -> the worker's host time to launch it
-
     def finish(pending, held_s: float = 0.0) -> None:
         try:
             result = runner.collect(pending)
         except Exception as exc:
             fail(f"forward step {pending.step}", exc)
-        result.launch_s = launch_s.pop(pending.step, 0.0)
+        result.launch_s = pending.launch_s
         result.held_s = held_s
         outbox.send(m.encode(result), copy=False)
 
@@ -131,7 +129,7 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
                 runner.sample(launched)
             except Exception as exc:
                 fail(f"forward step {msg.step}", exc)
-            launch_s[msg.step] = took + time.perf_counter() - t1
+            launched.launch_s = took + time.perf_counter() - t1
             pending = launched
         elif isinstance(msg, m.CompileGrammar):
             runner.compile_grammar(msg.kind, msg.text)

@@ -116,6 +116,7 @@ class PendingStep:
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
     load: CopyTiming | None = None  # the host tier's copy timing (HostKVPool.load_time)
     deferred: tuple | None = None  # (layout, logits, keep_logits) until `sample` runs
+    launch_s: float = 0.0  # the worker loop's host time to launch it (ForwardResult.launch_s)
 
     def ready(self) -> bool:
         """True when `collect` would not wait (always, off CUDA)."""
@@ -416,7 +417,12 @@ class ModelRunner:
         decode step, whose matmuls are too small for a second thread to pay for its OpenMP
         hand-offs (docs/decisions.md, "CPU decode threads"); all of them for anything larger
         (and for every step's LM head)."""
-        n = self.small_step_threads if tokens <= SMALL_STEP_TOKENS else self.threads
+        self._set_cpu_threads(
+            self.small_step_threads if tokens <= SMALL_STEP_TOKENS else self.threads
+        )
+
+    @staticmethod
+    def _set_cpu_threads(n: int) -> None:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
 
@@ -579,7 +585,7 @@ class ModelRunner:
         hidden = self.model(layout.input_ids, meta.positions, self.attn, self.kv_pool)
         rows = to_device(layout.logit_rows, torch.long, self.device)
         if self.threads:  # the LM head is one large matmul: all threads, whatever the step
-            self._cpu_threads_for(SMALL_STEP_TOKENS + 1)
+            self._set_cpu_threads(self.threads)
         return self.model.compute_logits(hidden[rows])
 
     # ------------------------------------------------------------------------------------------
