@@ -216,9 +216,10 @@ def test_serving_sweep(default_server, tmp_path, dataset):
             assert 0 < ideal["decode_steps"] <= ran["decode_steps"]  # the ideal batches are larger
             assert ideal["output_tok_s"] >= ran["output_tok_s"]
             assert 0 < row["roofline_fraction"] <= row["roofline_run_fraction"]
-            # one kernel at a time is never faster than the overlapped bound
-            assert ran["output_tok_s_serial"] <= ran["output_tok_s"]
-            assert row["roofline_run_fraction"] <= row["roofline_serial_fraction"]
+            # one kernel at a time is never faster than the overlapped bound (equal, up to
+            # rounding, when every kernel is bandwidth-bound)
+            assert ran["output_tok_s_serial"] <= ran["output_tok_s"] * (1 + 1e-9)
+            assert row["roofline_run_fraction"] <= row["roofline_serial_fraction"] * (1 + 1e-9)
         assert stdout.count(": roofline_fraction ") == len(rows)
         assert stdout.count(": roofline_serial_fraction ") == len(rows)
         assert stdout.count(": roofline_run_fraction ") == len(rows)
