@@ -69,7 +69,7 @@ if CppExtension is not None:
         CppExtension(
             "radix_runtime.worker._cpu_decoder",
             ["csrc/cpu_decoder.cpp"],
-            extra_compile_args=["-O2"],
+            extra_compile_args=["-O3"],  # vectorizes the int4 zero correction's loops
         )
     )
 else:
