@@ -30,15 +30,15 @@ def folders(tmp_path_factory):
 
 
 def runner(folder: str, **flags) -> ModelRunner:
-    flags = {"page_size": 4, "max_total_tokens": 1024, "max_running_requests": 4, **flags}
+    flags = {"page_size": 4, "max_total_tokens": 2048, "max_running_requests": 5, **flags}
     return ModelRunner(ServerArgs(model=folder, device="cpu", **flags))
 
 
 def drive(driver: Driver) -> list[list[list[torch.Tensor | None]]]:
-    """Prefill of two requests (pages interleaved: their keys are gathered), a third request on
-    the first one's cached prefix while both decode (a mixed batch), then decode-only steps of
-    three and of one request (a lone request reads a view of the pool). Per step, per runner,
-    each request's logits."""
+    """Prefill of two requests, a third request on the first one's cached prefix (its keys
+    gathered) while both decode (a mixed batch), decode-only steps of three requests (gathered)
+    and of one (a view of the pool), a request on scattered pages. Per step, per runner, each
+    request's logits."""
     a, b, c = Seq(0), Seq(1), Seq(2)
     steps = [
         driver.step([driver.req(a, PROMPT[:21]), driver.req(b, PROMPT[5:30])]),
@@ -53,6 +53,10 @@ def drive(driver: Driver) -> list[list[list[torch.Tensor | None]]]:
     steps.append(driver.step([driver.req(lone, PROMPT[:9])]))
     for i in range(3):
         steps.append(driver.step([driver.req(lone, [20 + i])]))
+    # keys on every other page: a prefill chunk and a lone decode that gather them
+    scattered = Seq(4, pages=[300 + 2 * i for i in range(23)])
+    steps.append(driver.step([driver.req(scattered, PROMPT * 2)]))
+    steps.append(driver.step([driver.req(scattered, [5])]))
     return [[logits for _, logits in per_runner] for per_runner in steps]
 
 
