@@ -37,7 +37,7 @@ def test_single_rows_take_the_gemv_with_the_configs_table(gemv_calls):
     w = torch.randn(5, 8)
     x = torch.randn(1, 8)
     assert torch.allclose(ops.linear(x, w, None), x @ w.T)
-    assert gemv_calls == [{"table": table}]
+    assert gemv_calls == [{"table": table, "pdl": False}]
     ops.linear(torch.randn(3, 8), w, None)  # more rows: F.linear
     ops.linear(x, w, torch.zeros(5))  # a bias: F.linear
     assert len(gemv_calls) == 1
