@@ -126,7 +126,7 @@ def attention_sweep(ctx: int, layers: int = 32) -> dict:
         for splits in (4, 8, 16, 32, 64):
             for block_t in (16, 32, 64):
                 for warps in (2, 4):
-                    fn = partial(decode_attention, q, indptr=indptr, kv_indices=idx,
+                    fn = partial(decode_attention, q, kv_indptr=indptr, kv_indices=idx,
                                  last_page_len=last, scale=d**-0.5, splits=splits,
                                  block_t=block_t, warps=warps)  # fmt: skip
                     try:
@@ -138,6 +138,8 @@ def attention_sweep(ctx: int, layers: int = 32) -> dict:
                         continue
                     res[f"{splits},{block_t},{warps}"] = {"us": us, "max_abs_err": err}
         ranked = sorted(res.items(), key=lambda kv: kv[1]["us"])
+        if not ranked:
+            continue
         out[label] = {"current_us": res.get("32,32,4", {}).get("us"), "best": ranked[0],
                       "top8": ranked[:8], "all": res}  # fmt: skip
         print(label, json.dumps(out[label]["best"]), "current", out[label]["current_us"],
@@ -231,7 +233,7 @@ def main() -> None:
         "context": args.context,
     }
     print(json.dumps(result), flush=True)
-    copy_bps = copy_TBps() * 1e12
+    copy_bps = copy_TBps(DEV) * 1e12
     result["copy_TBps"] = copy_bps / 1e12
 
     def save() -> None:
