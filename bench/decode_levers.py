@@ -214,6 +214,11 @@ def gemv_sweep(budget_s: float) -> dict:
     return out
 
 
+def key(spec: str) -> str:
+    """A model's key in the results: MODEL:QUANT without dots (docs' figure paths split on them)."""
+    return spec.replace(".", "_")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="decode_levers.json")
@@ -248,9 +253,9 @@ def main() -> None:
         result["models"] = {}
         for spec in args.models.split(","):
             try:
-                result["models"][spec] = model_ab(spec, args.context, copy_bps)
+                result["models"][key(spec)] = model_ab(spec, args.context, copy_bps)
             except Exception as exc:  # record it and go on with the next model
-                result["models"][spec] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                result["models"][key(spec)] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 print(spec, "FAILED", exc, flush=True)
                 gc.collect()
                 torch.cuda.empty_cache()
