@@ -120,7 +120,9 @@ def _gemv_fused_kernel(
 
 
 # (BLOCK_N, BLOCK_K, num_warps) per (rows, cols, prologue, add), measured on the H200 by
-# bench/gemv_sweep.py; keys not listed get GEMV_DEFAULT_CONFIG. The fused prologues re-read
+# bench/gemv_sweep.py; keys not listed get GEMV_DEFAULT_CONFIG (the Qwen3-8B and Gemma-3-12B
+# shapes: their sweep winners alone lost in the decode step with dependent launches,
+# docs/decisions.md). The fused prologues re-read
 # the input row in every program, so they want more rows per program than the plain product.
 GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
     # Llama-3.1-8B (docs/results/h200_gemv_sweep.json; us per product there, cuBLAS in brackets)
@@ -133,15 +135,6 @@ GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
     (4096, 14336, GEMV_PLAIN, False): (2, 2048, 2),  # down 28.4 (31.7)
     (4096, 14336, GEMV_SILU, True): (8, 1024, 4),  # down of SiLU(gate) * up, into the residual 29.5
     (128256, 4096, GEMV_PLAIN, False): (4, 2048, 4),  # LM head 229.7 (239.2)
-    # the other families' shapes (docs/results/h200_decode_levers.json, gemv: us per product,
-    # the default config's in brackets)
-    (24576, 4096, GEMV_NORM, False): (16, 256, 4),  # Qwen3-8B gate/up from the residual 50.3 (56.8)
-    (4096, 12288, GEMV_SILU, True): (4, 1024, 4),  # Qwen3-8B down, into the residual 27.0 (27.2)
-    (151936, 4096, GEMV_PLAIN, False): (2, 2048, 2),  # Qwen3-8B LM head 272.6 (314.5)
-    (8192, 3840, GEMV_PLAIN, False): (8, 256, 4),  # Gemma-3-12B qkv 17.3 (19.3)
-    (3840, 4096, GEMV_PLAIN, False): (4, 1024, 2),  # Gemma-3-12B o 10.3 (11.7)
-    (30720, 3840, GEMV_PLAIN, False): (2, 2048, 2),  # Gemma-3-12B gate/up 55.5 (65.3)
-    (262208, 3840, GEMV_PLAIN, False): (2, 2048, 2),  # Gemma-3-12B LM head 437.0 (497.3)
 }
 GEMV_DEFAULT_CONFIG = {GEMV_PLAIN: (4, 1024, 4), GEMV_NORM: (8, 512, 4), GEMV_SILU: (8, 1024, 4),
                        GEMV_GELU: (8, 1024, 4)}  # fmt: skip
