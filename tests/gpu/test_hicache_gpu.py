@@ -213,6 +213,35 @@ def test_outputs_with_the_host_tier_on_cuda(monkeypatch):
             assert sched.host_cached_tokens_total > 0
 
 
+def test_prefetched_loads_sent_while_steps_run_keep_outputs_on_cuda():
+    """--hicache-prefetch arrival on CUDA: the loads of requests that arrive while steps are in
+    flight go to the runner at once (`ModelRunner.early_copies`, as the scheduler process sends
+    them), on the copy stream beside those steps; greedy outputs equal cache off."""
+    pytest.importorskip("flashinfer")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    import test_cache_equivalence as eq
+    import test_hicache_equivalence as hq
+
+    from radix_runtime import messages as m
+    from radix_runtime.config import ServerArgs
+    from radix_runtime.worker.model_runner import ModelRunner
+
+    for page_size, pool in ((1, 96), (16, 128)):
+        args = ServerArgs(model="tiny-llama", load_format="dummy", model_config="tiny-llama",
+                          page_size=page_size, max_total_tokens=pool, chunked_prefill_size=32,
+                          max_running_requests=3, device="cuda", disable_cuda_graph=True,
+                          enable_hierarchical_cache=True, hicache_ratio=8.0)  # fmt: skip
+        runner = ModelRunner(args)
+        prompts, arrivals = hq.staggered(runner.ready_info().vocab_size)
+        greedy = m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        off, _ = eq.run(runner, args.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+        for impl in ("python", "cpp"):
+            on, sched = eq.run(runner, args.replace(radix_tree_impl=impl), prompts, greedy,
+                               arrivals, early=True)  # fmt: skip
+            assert on == off, (page_size, impl)
+            assert sched.counters.host_prefetches > 0 and sched.counters.host_early_copies > 0
+
+
 def test_a_cuda_batch_reports_which_copies_waited_and_its_host_time():
     """The flags the worker reports per step (ForwardResult.load_waited / write_waited) are the
     waits the copies were queued with; issue_s is the host's time in `copy`."""
