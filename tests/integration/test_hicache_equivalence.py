@@ -149,3 +149,50 @@ def test_server_with_the_cpp_tree_and_the_host_tier_keeps_greedy_outputs(tmp_pat
         assert cache["host_load_steps_waited"] == cache["host_write_steps_waited"] == 0
     finally:
         assert server.stop() is not None
+
+
+def test_server_prefetches_requests_read_while_a_step_runs(tmp_path):
+    """A real server with prefetch on arrival (the default): second turns sent together, more
+    than the slots hold, so the scheduler reads some while a step runs and sends their loads
+    to the worker at once (HostCopies); greedy outputs equal the same prompts computed
+    without reuse."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_support import start_server
+
+    server = start_server(
+        str(tmp_path), "--load-format", "dummy", "--model-config", "tiny-llama",
+        "--device", "cpu", "--max-total-tokens", "192", "--chunked-prefill-size", "32",
+        "--max-running-requests", "2", "--enable-hierarchical-cache", "--hicache-ratio", "8",
+    )  # fmt: skip
+    try:
+        prompts, _ = staggered(vocab=500, n=8)
+        sampling = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+        with server.client(timeout=120) as c:
+
+            def generate(prompt, salt=""):
+                body = {"input_ids": prompt, "sampling_params": sampling}
+                if salt:
+                    body["cache_salt"] = salt
+                r = c.post("/generate", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            fresh = [generate(p, f"own-{i}")["output_ids"] for i, p in enumerate(prompts)]
+            first = [generate(p)["output_ids"] for p in prompts[:8]]
+            with ThreadPoolExecutor(9) as pool:
+                # a long request keeps the scheduler stepping while the second turns arrive
+                long = {"input_ids": prompts[0][:20], "cache_salt": "busy",
+                        "sampling_params": {**sampling, "max_new_tokens": 80}}  # fmt: skip
+                busy = pool.submit(c.post, "/generate", json=long)
+                for _ in range(500):
+                    if c.get("/get_server_info").json()["running_requests"]:
+                        break
+                second = list(pool.map(generate, prompts[8:]))
+                assert busy.result().status_code == 200
+            cache = c.get("/get_server_info").json()["cache"]
+        assert first + [out["output_ids"] for out in second] == fresh
+        assert sum(out["meta_info"]["host_cached_tokens"] for out in second) > 0
+        assert cache["host_prefetches"] > 0 and cache["host_early_copies"] > 0
+    finally:
+        assert server.stop() is not None
