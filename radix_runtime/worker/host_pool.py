@@ -3,7 +3,8 @@ between it and the device pool that the scheduler asks for.
 
 The pool is one tensor [num_pages, num_layers, 2 (K, V), page_size, kv_heads, head_dim], page
 major: a host page is one contiguous block (every layer's K and V of its tokens), so a run of
-consecutive host pages is one contiguous range. It is allocated once at start (pinned on CUDA)
+consecutive host pages is one contiguous range. It is allocated once at start (pinned on CUDA,
+at its exact size: `pinned_empty`)
 and sized by --hicache-size or --hicache-ratio against the memory the machine has free. Page 0
 is reserved, as in the device pool. On CUDA a staging buffer of whole pages
 [chunk_pages, num_layers, 2, page_size, kv_heads, head_dim] (STAGING_BYTES at most) lives on
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +87,38 @@ def host_pool_pages(device_pool: KVPool, size_gb: float, ratio: float, bytes_per
     return pages
 
 
+def pinned_empty(shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A pinned host tensor of exactly its size, and whether it is registered: plain host memory
+    page-locked with cudaHostRegister. torch's pinned allocator (`pin_memory=True`) rounds each
+    allocation up to a power of two (a 17 GB host tier would pin 32 GB); it is the fallback when
+    registering fails."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        code = int(getattr(err, "value", err))
+    except Exception as exc:  # no cudart binding: the pinned allocator
+        logger.warning("cudaHostRegister unavailable (%s): pinning with torch's allocator", exc)
+        code = -1
+    if code == 0:
+        return t, True
+    if code > 0:
+        logger.warning("cudaHostRegister failed (error %d): pinning with torch's allocator", code)
+        try:  # the error is not sticky, but a later launch check would read it: clear it
+            torch.cuda.cudart().cudaGetLastError()
+        except AttributeError:
+            pass
+    del t
+    return torch.empty(shape, dtype=dtype, pin_memory=True), False
+
+
+def _host_unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the process's memory goes anyway
+        pass
+
+
 def last_per_destination(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A batch's copies with one copy per destination page, the last one queued. A page can be
     named twice in one batch: a node written to the host, evicted from it and its page handed
@@ -109,7 +143,13 @@ class HostKVPool:
         self.cuda = device_pool.device.type == "cuda"
         d = device_pool
         page = (d.num_layers, 2, d.page_size, d.kv_heads, d.head_dim)
-        self.buffer = torch.empty((num_pages, *page), dtype=d.dtype, pin_memory=self.cuda)
+        self.registered = False  # pinned at its exact size (cudaHostRegister)
+        if self.cuda:
+            self.buffer, self.registered = pinned_empty((num_pages, *page), d.dtype)
+            if self.registered:  # unpinned when the pool goes (the buffer lives as long)
+                weakref.finalize(self, _host_unregister, self.buffer.data_ptr())
+        else:
+            self.buffer = torch.empty((num_pages, *page), dtype=d.dtype)
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size()
         # the staging buffer (CUDA): whole pages on the device, used by the side stream only
         self.chunk_pages = max(1, min(staging_bytes // self.page_bytes, d.num_pages))
