@@ -396,14 +396,15 @@ class ModelRunner:
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
-        pending.early, self._early = self._early, []
+        layout = self._prepare(batch.reqs) if batch.reqs else None
         if batch.write_src or batch.load_src or self.host_pool is not None:
             # NOTE: with a host tier every step goes through it, copies or not: it also waits
-            # for the previous batch's writes (their device pages may be reused now)
-            pending.load = self._host_copies(batch)
-        if not batch.reqs:
+            # for the previous batch's writes (their device pages may be reused now), and for
+            # the loads held for later steps (prefetches) into pages this step touches
+            pending.load = self._host_copies(batch, layout.pages if layout else None)
+        pending.early, self._early = self._early, []
+        if layout is None:
             return pending
-        layout = self._prepare(batch.reqs)
         if self.threads:
             self._cpu_threads_for(layout.meta.num_tokens)
         self._in_flight[pending.step] = layout.pages
@@ -470,20 +471,27 @@ class ModelRunner:
         if keep_logits:
             pending.logits = per_req
 
-    def _host_copies(self, batch: m.ForwardBatch):
-        """The host tier's copies of this batch, queued before its model (HostKVPool.copy)."""
+    def _host_copies(self, batch: m.ForwardBatch, step: StepPages | None):
+        """The host tier's copies of this batch, queued before its model (HostKVPool.copy): the
+        step (`step`: its pages) waits for the loads into its pages, held ones included."""
         if self.host_pool is None:
             raise ValueError(
                 "host-tier copies sent to a worker without --enable-hierarchical-cache"
             )
-        return self.host_pool.copy(
+        timing = self.host_pool.copy(
             m.unpack_ids(batch.write_src),
             m.unpack_ids(batch.write_dst),
             m.unpack_ids(batch.load_src),
             m.unpack_ids(batch.load_dst),
             batch.writes_block,
             busy=self.pages_in_flight(),
+            needs=None if step is None else np.concatenate([step.read, step.written]),
         )
+        if step is not None and self.device.type == "cuda":
+            held = self.host_pool.wait_pending(step)
+            if held is not None:  # timed with the copies sent on their own
+                self._early.append(held)
+        return timing
 
     @torch.inference_mode()
     def early_copies(self, msg: m.HostCopies) -> None:
@@ -503,6 +511,7 @@ class ModelRunner:
                 m.unpack_ids(msg.load_dst),
                 msg.writes_block,
                 busy=self.pages_in_flight(),
+                needs=np.zeros(0, np.int32),  # no step: each later step waits for its pages
             )
         )
 

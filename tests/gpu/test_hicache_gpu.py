@@ -107,6 +107,40 @@ def test_copies_that_touch_no_page_of_the_running_steps_overlap_them():
     torch.cuda.synchronize()
 
 
+def test_loads_for_later_steps_do_not_hold_this_step_and_the_step_reading_them_waits():
+    """`needs`: the pages of the batch's own step. Loads into other pages (prefetches) go after
+    its own and the compute stream does not wait for them; the first later step touching their
+    pages does (`wait_pending`), and one that does not touch them does not."""
+    dev, host = _pools()
+    host.buffer.fill_(1.0)
+    none = np.zeros(0, np.int32)
+    host.copy(none, none, np.array([9], np.int32), np.array([6], np.int32), False)  # warm-up
+    torch.cuda.synchronize()
+    with torch.cuda.stream(host.stream):
+        torch.cuda._sleep(int(5e8))  # the copy stream busy for a few hundred ms
+    host.copy(none, none, np.array([11], np.int32), np.array([8], np.int32), False, needs=none)
+    free = torch.cuda.Event()
+    free.record()
+    free.synchronize()  # the compute stream passed the batch ...
+    assert not host._pending[0][0].query()  # ... while its load still waits behind the sleep
+    host.copy(none, none, np.array([9, 10], np.int32), np.array([5, 7], np.int32), False,
+              needs=np.array([5], np.int32))  # fmt: skip
+    own = torch.cuda.Event()
+    own.record()  # after the compute stream's wait for page 5's load (not page 7's)
+    assert [d.tolist() for _, d in host._pending] == [[8], [7]]
+    assert host.wait_pending(StepPages(read=np.array([1, 2], np.int32), written=none)) is None
+    waited = host.wait_pending(StepPages(read=np.array([3], np.int32), written=np.array([8])))
+    assert waited is not None and [d.tolist() for _, d in host._pending] == [[7]]
+    dev.k_buffers[0][8].add_(1)  # the step writing page 8 runs after its load
+    torch.cuda.synchronize()
+    assert own.query() and torch.all(dev.k_buffers[0][5] == 1)
+    assert torch.all(dev.k_buffers[0][7] == 1) and torch.all(dev.k_buffers[0][8] == 2)
+    assert HostKVPool.wait_time(waited) > 0
+    # a load done is dropped without a wait
+    assert host.wait_pending(StepPages(read=np.array([7], np.int32), written=none)) is None
+    assert host._pending == []
+
+
 def test_a_host_page_written_twice_in_a_batch_holds_the_later_write():
     """One batch's writes name host page 2 twice (a node written, host-evicted and its page
     handed to the next node before the batch was sent): the later write owns it."""
