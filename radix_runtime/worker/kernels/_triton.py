@@ -41,9 +41,21 @@ except ImportError:
     triton = _TritonStandIn()
     tl = None
 
+
 # programmatic dependent launch (Hopper+): a kernel launched with it may start while the kernel
 # before it finishes; it calls `gdc_wait` before touching anything that kernel writes
-HAVE_PDL = HAVE_TRITON and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
+def _triton_has_pdl() -> bool:
+    """Triton has the in-kernel wait (`gdc_wait`) and the launch option (`launch_pdl`)."""
+    if not (HAVE_TRITON and hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+HAVE_PDL = _triton_has_pdl()
 
 
 @functools.cache
