@@ -205,6 +205,11 @@ def test_serving_sweep(default_server, tmp_path, dataset):
         check_section(row, n)
         assert row["itl_p99_over_p50"] >= 1
         assert row["mismatched_results"] == 0
+        # each server process's garbage collections during the run (/get_server_info gc)
+        assert set(row["gc"]) == {"tokenizer", "scheduler", "worker"}
+        assert all(
+            g["frozen_objects"] > 0 and g["full_collections"] >= 0 for g in row["gc"].values()
+        )
     if dataset == "random":
         # the roofline from the ceilings measured in the run and the work the requests did
         ceilings = result["config"]["ceilings"]
@@ -224,6 +229,7 @@ def test_serving_sweep(default_server, tmp_path, dataset):
         assert stdout.count(": roofline_serial_fraction ") == len(rows)
         assert stdout.count(": roofline_run_fraction ") == len(rows)
         assert stdout.count("itl_p99_over_p50") == len(rows)
+        assert stdout.count(": gc during the run: tokenizer ") == len(rows)
     else:
         assert result["config"]["ceilings"] is None and "roofline" not in rows[0]
     if dataset == "generated-shared-prefix":
