@@ -584,6 +584,44 @@ def open_target(target: Target, args: argparse.Namespace) -> Iterator[str]:
         yield server.url
 
 
+@contextlib.contextmanager
+def serve_with_pid(target: Target, args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
+    """(url, pid): open_target's URL and the launched server's pid (None for a server given by
+    URL), for role_cpu_s."""
+    if target.url is not None:
+        yield target.url, None
+        return
+    with LaunchedServer(args.model, target.flags, timeout=args.launch_timeout) as server:
+        yield server.url, server.proc.pid
+
+
+ROLES = ("tokenizer", "scheduler", "worker")
+
+
+def role_cpu_s(pid: int | None) -> dict[str, float] | None:
+    """CPU seconds (user + system, all threads) each process of the server at `pid` has used
+    so far, by role (the processes name themselves radix_runtime::ROLE); None without a pid or
+    without psutil."""
+    if pid is None:
+        return None
+    try:
+        import psutil
+    except ImportError:  # a machine without it (the H200 kit): no CPU split
+        return None
+    root = psutil.Process(pid)
+    out = dict.fromkeys(ROLES, 0.0)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            title = " ".join(proc.cmdline())
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        for role in ROLES:
+            if f"radix_runtime::{role}" in title:
+                out[role] += times.user + times.system
+    return out
+
+
 def replica_split(url: str, api_key: str | None) -> list[dict] | None:
     """Behind SGLang's router: each replica's prompt and cached tokens so far (from the router's
     GET /workers and each replica's /get_server_info), showing how a policy spread the load;

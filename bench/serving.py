@@ -48,7 +48,6 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common, roofline
-from bench.metrics_overhead import role_cpu_s, serve
 
 # ---------------------------------------------------------------------------------------------
 # datasets (pure)
@@ -337,7 +336,7 @@ def run(opts: argparse.Namespace) -> dict:
     probe = None if opts.no_roofline else probe_ceilings(opts)
     config["ceilings"] = probe
     for target in common.targets_from_args(opts):
-        with serve(target, opts) as (url, pid):
+        with common.serve_with_pid(target, opts) as (url, pid):
             info = common.prepare_server(url, opts.api_key)
             if requests is None:
                 token_range = common.safe_token_range(info["vocab_size"])
@@ -357,9 +356,9 @@ def run(opts: argparse.Namespace) -> dict:
                     print(f"warning: {url} refused /flush_cache", file=sys.stderr)
                 label = f"{target.label} rate={rate:g}"
                 before = common.get_server_info(url, opts.api_key)
-                cpu_before = role_cpu_s(pid)
+                cpu_before = common.role_cpu_s(pid)
                 pairs, duration = run_rate_procs(url, requests, rate, opts, label)
-                cpu_after = role_cpu_s(pid)
+                cpu_after = common.role_cpu_s(pid)
                 row = {"request_rate": "inf" if math.isinf(rate) else rate}
                 row.update(rate_summary(pairs, duration, page_size))
                 row["itl_p99_over_p50"] = common.ratio(row["itl_p99_s"], row["itl_p50_s"])
