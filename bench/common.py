@@ -600,8 +600,8 @@ ROLES = ("tokenizer", "scheduler", "worker")
 
 def role_cpu_s(pid: int | None) -> dict[str, float] | None:
     """CPU seconds (user + system, all threads) each process of the server at `pid` has used
-    so far, by role (the processes name themselves radix_runtime::ROLE); None without a pid or
-    without psutil."""
+    so far, by role (the processes name themselves radix_runtime::ROLE); None without a pid,
+    without psutil, or when no process carries a role title."""
     if pid is None:
         return None
     try:
@@ -610,6 +610,7 @@ def role_cpu_s(pid: int | None) -> dict[str, float] | None:
         return None
     root = psutil.Process(pid)
     out = dict.fromkeys(ROLES, 0.0)
+    found = False
     for proc in [root, *root.children(recursive=True)]:
         try:
             title = " ".join(proc.cmdline())
@@ -619,7 +620,8 @@ def role_cpu_s(pid: int | None) -> dict[str, float] | None:
         for role in ROLES:
             if f"radix_runtime::{role}" in title:
                 out[role] += times.user + times.system
-    return out
+                found = True
+    return out if found else None  # no process titled by role (no setproctitle there)
 
 
 def replica_split(url: str, api_key: str | None) -> list[dict] | None:
