@@ -469,9 +469,11 @@ def all_targets(opts: argparse.Namespace) -> list[common.Target]:
     base = targets[0].flags
     for policy in filter(None, (opts.hicache_policies or "").split(",")):
         flags = (*base, "--enable-hierarchical-cache", "--hicache-write-policy", policy)
-        targets.append(
-            common.Target(f"hicache_{policy}", None, (*flags, *shlex.split(opts.hicache_args)))
-        )
+        flags = (*flags, *shlex.split(opts.hicache_args))
+        targets.append(common.Target(f"hicache_{policy}", None, flags))
+        if opts.compare_prefetch_off:  # the same, loading host hits with the first chunk
+            flags = (*flags, "--hicache-prefetch", "off")
+            targets.append(common.Target(f"hicache_{policy}_no_prefetch", None, flags))
     if opts.unrestricted_tokens:
         flags = list(base)
         if "--max-total-tokens" in flags:
@@ -708,7 +710,9 @@ def print_tiers(result: dict) -> None:
                 f"  {label:<24}loads {c['host_load_steps']} ({c.get('host_load_steps_waited', 0)}"
                 f" waited)  writes {c.get('host_write_steps', 0)} "
                 f"({c.get('host_write_steps_waited', 0)} waited)  issue "
-                f"{common.fmt(issue, 1e3, 2)} ms"
+                f"{common.fmt(issue, 1e3, 2)} ms  prefetched {c.get('host_prefetches', 0)} "
+                f"(dropped {c.get('host_prefetches_dropped', 0)}, "
+                f"{c.get('host_early_copies', 0)} sent while a step ran)"
             )
 
 
@@ -810,6 +814,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated write policies: one run each with --enable-hierarchical-cache",
     )
     h.add_argument("--hicache-args", default="", help="more flags for the host-tier runs")
+    h.add_argument(
+        "--compare-prefetch-off",
+        action="store_true",
+        help="one more host-tier run per policy with --hicache-prefetch off "
+        "(hicache_POLICY_no_prefetch)",
+    )
     h.add_argument(
         "--unrestricted-tokens",
         type=int,

@@ -68,6 +68,8 @@ class ServerArgs:
     hicache_size: float = 0.0  # GB of host memory for it; 0: --hicache-ratio of the device pool
     hicache_ratio: float = 2.0
     hicache_write_policy: str = "write_through"  # write_through | write_back
+    # arrival: a request's host-tier hit is loaded back when it arrives, not when it is admitted
+    hicache_prefetch: str = "arrival"  # arrival | off
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
@@ -202,6 +204,8 @@ class ServerArgs:
             raise ValueError("--hicache-size must be >= 0 and --hicache-ratio > 0")
         if self.hicache_write_policy not in ("write_through", "write_back"):
             raise ValueError("--hicache-write-policy must be write_through or write_back")
+        if self.hicache_prefetch not in ("arrival", "off"):
+            raise ValueError("--hicache-prefetch must be arrival or off")
         if self.quantization not in _CHOICES["quantization"]:
             raise ValueError(f"unknown --quantization {self.quantization!r}")
         if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
@@ -361,6 +365,9 @@ _HELP = {
     "hicache_ratio": "host tier size as a multiple of the device KV pool (when --hicache-size is 0)",
     "hicache_write_policy": "write_through: copy KV to the host as soon as it is cached (eviction "
     "is then free); write_back: copy it when it is evicted from the device",
+    "hicache_prefetch": "arrival: load a request's host-tier hit back as soon as the scheduler "
+    "reads the request (also while a step runs), so the copy runs before the request's first "
+    "step; off: load it with the request's first prefill chunk (docs/hicache.md)",
     "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
     "per-output-channel scales and FP8 activations with per-token dynamic scales "
     "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128): packed "
@@ -382,6 +389,7 @@ _CHOICES = {
     "attention_backend": ["auto", "torch", "flashinfer"],
     "radix_tree_impl": ["auto", "cpp", "python"],
     "hicache_write_policy": ["write_through", "write_back"],
+    "hicache_prefetch": ["arrival", "off"],
     "tool_call_parser": ["auto", "hermes", "llama3"],
     "router_policy": list(ROUTER_POLICIES),
     "cache_isolation": ["none", "api-key"],

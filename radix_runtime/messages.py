@@ -186,6 +186,11 @@ class CacheStats(msgspec.Struct, frozen=True):
     host_load_steps_waited: int = 0
     host_write_steps: int = 0
     host_write_steps_waited: int = 0
+    # --hicache-prefetch arrival: requests whose host hit was loaded back on arrival, their
+    # prefetches given up under memory pressure, and the copy messages sent while a step ran
+    host_prefetches: int = 0
+    host_prefetches_dropped: int = 0
+    host_early_copies: int = 0
 
 
 class GrammarStats(msgspec.Struct, frozen=True):
@@ -388,6 +393,19 @@ class ForwardBatch(_Msg):
     writes_block: bool = False
 
 
+class HostCopies(_Msg):
+    """Host-tier copies sent on their own, between steps (--hicache-prefetch arrival): the loads
+    of requests read while a step runs, so the copies start before the batch that reads them is
+    built. The worker makes them at once, as a batch's (`ForwardBatch.write_src` ...), and every
+    later step is ordered after them."""
+
+    write_src: bytes = b""
+    write_dst: bytes = b""
+    load_src: bytes = b""
+    load_dst: bytes = b""
+    writes_block: bool = False
+
+
 class ForwardReqResult(msgspec.Struct, omit_defaults=True):
     next_id: int = -1  # -1 when sample was False
     # constrained: the grammar ended with next_id (it accepted a stop token), or next_id broke it
@@ -476,6 +494,7 @@ Message = Union[
     FatalError,
     ShutdownReq,
     ForwardBatch,
+    HostCopies,
     ForwardResult,
     CompileGrammar,
     GrammarCompiled,

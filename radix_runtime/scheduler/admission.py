@@ -31,7 +31,7 @@ from radix_runtime.messages import (
 from radix_runtime.scheduler.kv import KvBook
 from radix_runtime.scheduler.policy import order_waiting
 from radix_runtime.scheduler.queues import Queues
-from radix_runtime.scheduler.request import PlannedReq, Req
+from radix_runtime.scheduler.request import PlannedReq, Req, ReqState
 from radix_runtime.scheduler.stats import Counters, SchedulerStats
 
 if TYPE_CHECKING:
@@ -123,6 +123,7 @@ class Admission:
                 self.known_grammars.move_to_end(key)
                 self.grammar_hits += 1
             self.queues.waiting.append(req)
+            self.prefetch(req)
         elif key in self.grammar_waiting:  # compiling now: no compile of its own either
             self.grammar_waiting[key].append(req)
             self.grammar_hits += 1
@@ -153,10 +154,58 @@ class Admission:
 
     def remove_waiting(self, req: Req) -> None:
         """An aborted waiting request leaves its queue (its grammar's, while that compiles)."""
+        self.kv.drop_prefetch(req)
         if req in self.queues.waiting:
             self.queues.waiting.remove(req)
         else:
             self.grammar_waiting[req.sampling.grammar].remove(req)
+
+    # -----------------------------------------------------------------------------------------
+    # the host tier: loading a waiting request's host hit back before it is admitted
+
+    def prefetch(self, req: Req) -> int:
+        """--hicache-prefetch arrival: a request that just joined `waiting` and whose match runs
+        on into host-only nodes has them loaded back now (`KvBook.prefetch`), so the copy runs
+        while the request waits for its first step instead of in front of it. Only when the
+        pool keeps, beyond the load, the running requests' next pages and expected growth (as
+        admission counts them), the request's own first chunk, and at most half of it is held
+        for waiting requests this way. Returns the tokens loaded."""
+        kv = self.kv
+        if self.args.hicache_prefetch != "arrival" or kv.host_allocator is None:
+            return 0
+        if req.state is not ReqState.WAITING or req not in self.queues.waiting:
+            return 0
+        match = self.match(req)
+        host_len = match.host_length
+        if not host_len:
+            return 0
+        ps = kv.page_size
+        held = sum(
+            r.prefetched_tokens // ps for r in self.queues.waiting if r.prefetch_node is not None
+        )
+        if held + host_len // ps > kv.allocator.total_pages // 2:
+            return 0
+        running = self.queues.running
+        reserve = len(running) + sum(self.expected_pages(r, r.all_len, r.kv_len) for r in running)
+        rest = req.all_len - match.length - host_len
+        reserve += math.ceil(min(self.args.chunked_prefill_size, rest) / ps)
+        return kv.prefetch(req, match, reserve)
+
+    def drop_prefetches(self) -> bool:
+        """Memory pressure: every waiting request's prefetch is unlocked (its nodes stay cached,
+        evictable again). Whether there was any."""
+        dropped = 0
+        for req in self.queues.waiting:
+            if req.prefetch_node is not None:
+                self.kv.drop_prefetch(req)
+                req.prefetched_tokens = 0
+                dropped += 1
+        self.counters.host_prefetches_dropped += dropped
+        return dropped > 0
+
+    def prefetched(self) -> int:
+        """Waiting requests holding a prefetch."""
+        return sum(1 for r in self.queues.waiting if r.prefetch_node is not None)
 
     # -----------------------------------------------------------------------------------------
     # grammars: compiled by the worker before their requests may run
@@ -269,8 +318,13 @@ class Admission:
                 break
             n, loaded = taken
             expected += own
+            # a prefetch (on arrival) is held by the request's own lock now; its tokens were
+            # loaded from the host for it
+            early = req.prefetched_tokens if req.prefetch_node is not None else 0
+            self.kv.drop_prefetch(req)
+            req.prefetched_tokens = 0
             if req.cached_tokens < 0:
-                self._count_admission(req, match.length, host_len, loaded)
+                self._count_admission(req, match.length - early, host_len, loaded + early)
             self.queues.start(req)
             n_running += 1
             computing.append(req)

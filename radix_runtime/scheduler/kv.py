@@ -174,6 +174,32 @@ class KvBook:
         req.kv_len = match.length
         return 0
 
+    def prefetch(self, req: Req, match, reserve: int) -> int:
+        """--hicache-prefetch arrival: load a waiting request's host hit back now (device pages
+        for it, the copies queued), when the load pays and `reserve` pages stay available after
+        it. The loaded node stays locked for the request (`Req.prefetch_node`) until it is
+        admitted (`drop_prefetch`). Returns the tokens loaded."""
+        host_len = match.host_length
+        if not host_len or req.prefetch_node is not None or not self.load_pays(host_len):
+            return 0
+        load_pages = host_len // self.page_size
+        if self.available_pages() - reserve < load_pages:
+            return 0
+        self.cache.lock(match.host_node)
+        pages = self.take_pages(load_pages)
+        assert pages is not None, "pages were counted as available"
+        self.cache.load_back(match.host_node, pages)
+        req.prefetch_node, req.prefetched_tokens = match.host_node, host_len
+        self.counters.host_prefetches += 1
+        return host_len
+
+    def drop_prefetch(self, req: Req) -> None:
+        """Unlock what `prefetch` loaded for `req` (admitted: its own lock holds it now; aborted
+        or memory pressure: the loaded nodes stay cached, evictable again)."""
+        if req.prefetch_node is not None:
+            self.cache.unlock(req.prefetch_node)
+            req.prefetch_node = None
+
     def cache_unfinished(self, req: Req) -> None:
         """Put the computed prefix of a running request into the tree, so requests arriving now
         can share it, and swap the request's lock to the deeper node."""
@@ -351,13 +377,17 @@ class KvBook:
             host_load_steps_waited=c.host_load_steps_waited,
             host_write_steps=c.host_write_steps,
             host_write_steps_waited=c.host_write_steps_waited,
+            host_prefetches=c.host_prefetches,
+            host_prefetches_dropped=c.host_prefetches_dropped,
+            host_early_copies=c.host_early_copies,
         )
 
-    def check_integrity(self, running: list[Req]) -> None:
+    def check_integrity(self, running: list[Req], prefetched: int = 0) -> None:
         """Every page is free, cached in the tree, or owned by exactly one running request; when
-        idle, nothing is locked and every slot is free."""
+        idle (nothing running, no waiting request holding a prefetch: `prefetched` of them do),
+        nothing is locked and every slot is free."""
         held = np.concatenate([np.zeros(0, np.int32)] + [r.pages[r.tree_pages :] for r in running])
-        self.cache.check_integrity(expect_unlocked=not running, held_pages=held)
+        self.cache.check_integrity(expect_unlocked=not running and not prefetched, held_pages=held)
         assert len(self.free_slots) + len(running) == self.max_running, "slot leak"
         self.counters.integrity_checks += 1
 

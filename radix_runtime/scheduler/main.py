@@ -95,6 +95,10 @@ class SchedulerProcess:
         self._last_result_at = 0.0  # when the latest step result came back (for step_time)
         self.gc: gc_tuning.GcWatch | None = None  # its collections, once started
         self.worker_gc = m.GcStats()  # the worker's, as its latest report left them
+        # --hicache-prefetch arrival: requests are read while a step runs too (`read_early`);
+        # the other messages read then wait here, in order, for the loop's next read
+        self.reads_early = False
+        self.deferred: list = []
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -111,6 +115,9 @@ class SchedulerProcess:
 
         ready = self.wait_worker_ready()
         self.scheduler = Scheduler(self.args, ready)
+        self.reads_early = (
+            self.args.hicache_prefetch == "arrival" and self.scheduler.host_allocator is not None
+        )
         self.send_tok(
             m.SchedulerReady(
                 max_total_tokens=self.scheduler.capacity_tokens,
@@ -193,6 +200,9 @@ class SchedulerProcess:
         """Requests from the tokenizer; with `worker` (no step in flight: `finish_step` reads the
         worker otherwise) also the worker's compiled-grammar reports, which an idle scheduler
         waits for too."""
+        deferred, self.deferred = self.deferred, []
+        for msg in deferred:  # read while a step ran (`read_early`), in their order
+            self.handle(msg)
         poller = zmq.Poller()
         poller.register(self.from_tok, zmq.POLLIN)
         if worker:
@@ -215,6 +225,46 @@ class SchedulerProcess:
             except zmq.Again:
                 return
             self.handle(self._decode(frame, "tokenizer"))
+
+    def wait_worker(self, timeout_ms: int):
+        """The worker's next message (None after `timeout_ms`). With `reads_early`, requests that
+        arrive meanwhile are read too (`read_early`): a host-tier hit is then loaded back while
+        the step runs, before the batch that admits the request is built."""
+        if not self.reads_early:
+            return self._recv_worker(timeout_ms)
+        poller = zmq.Poller()
+        poller.register(self.from_worker, zmq.POLLIN)
+        poller.register(self.from_tok, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            left = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            ready = dict(poller.poll(left))
+            if self.from_tok in ready:
+                self.read_early()
+            if self.from_worker in ready:
+                return self._recv_worker(timeout_ms=0)
+            if time.monotonic() >= deadline:
+                return None
+
+    def read_early(self) -> None:
+        """Messages from the tokenizer while a step runs: a request joins the waiting queue at
+        once (`Admission.add`, which prefetches its host-tier hit), and the copies that queued
+        go to the worker now (`HostCopies`), so they run beside the steps in flight. Anything
+        else (and any request after it, to keep their order) waits for the loop's next read
+        (`drain_inputs`): aborts, flushes and reports keep their place between steps."""
+        while True:
+            try:
+                frame = self.from_tok.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = self._decode(frame, "tokenizer")
+            if isinstance(msg, m.GenerateReq) and not self.deferred:
+                self.handle(msg)
+            elif msg is not None:
+                self.deferred.append(msg)
+        copies = self.scheduler.take_early_copies()
+        if copies is not None:
+            self.to_worker.send(m.encode(copies))
 
     def publish_kv_events(self) -> None:
         events = self.scheduler.kv_events if self.scheduler is not None else None
@@ -262,7 +312,7 @@ class SchedulerProcess:
                 logger.error(message)
                 self.send_tok(m.FatalError(role="worker", message=message))
                 raise WorkerLost(message)
-            msg = self._recv_worker(timeout_ms=int(min(remaining, 1.0) * 1000) + 1)
+            msg = self.wait_worker(timeout_ms=int(min(remaining, 1.0) * 1000) + 1)
             if isinstance(msg, m.ForwardResult) and msg.step == batch.step:
                 received = time.perf_counter()
                 if msg.gc is not None:

@@ -116,6 +116,9 @@ class Planner:
                 if not plan and len(running) < before:
                     # every decoder left: their pages may fit a prefill
                     return self.plan(self.now())
+        if not plan and not ahead and self.admission.drop_prefetches():
+            # pages held for waiting requests' prefetches (on arrival) go first
+            return self.plan(views, shared_with)
         if not plan and len(running) > 1 and not ahead:
             # every running request is mid-prefill and none can grow: free the newest one's pages
             self.queues.retract(max(running, key=lambda r: r.arrival))
@@ -210,6 +213,8 @@ class Planner:
                 break
             if ahead:
                 return False
+            if self.admission.drop_prefetches():  # before any running request gives way
+                continue
             victim = max(decoders, key=lambda v: v.req.arrival)
             if len(queues.running) == 1:
                 # alone and out of memory: it can never grow, so it ends here

@@ -103,6 +103,10 @@ class Req:
     slot: int | None = None
     sent_pages: int = 0  # how many entries of `pages` the worker's page table already holds
     slot_started: bool = False  # the worker has seen this request in its slot
+    # --hicache-prefetch arrival: while it waits, the tree node its host hit was loaded back
+    # into on arrival (locked, so it stays on the device) and the tokens loaded
+    prefetch_node: object | None = None
+    prefetched_tokens: int = 0
 
     # accounting
     arrived_at: float = 0.0  # time.perf_counter() at the scheduler

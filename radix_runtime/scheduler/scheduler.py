@@ -25,6 +25,7 @@ from radix_runtime.messages import (
     GenerateReq,
     GrammarCompiled,
     GrammarStats,
+    HostCopies,
     ReqOutput,
     ServerInfo,
     WorkerReady,
@@ -106,6 +107,18 @@ class Scheduler:
 
     def add_request(self, msg: GenerateReq) -> None:
         self.admission.add(msg)
+
+    def take_early_copies(self) -> HostCopies | None:
+        """The host tier's copies queued since the last batch (prefetches of requests read while
+        a step runs), to send to the worker now rather than with the next batch; None if none."""
+        if self.host_allocator is None:
+            return None
+        copies = HostCopies()
+        self.kv.attach_copies(copies)
+        if not (copies.write_src or copies.load_src):
+            return None
+        self.counters.host_early_copies += 1
+        return copies
 
     def grammar_compiled(self, msg: GrammarCompiled) -> None:
         self.admission.grammar_compiled(msg)
@@ -270,4 +283,4 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every page is free, cached in the tree, or owned by exactly one running request; when
         idle, nothing is locked and every slot is free."""
-        self.kv.check_integrity(self.running)
+        self.kv.check_integrity(self.running, self.admission.prefetched())

@@ -73,6 +73,9 @@ class Counters:
     host_load_steps_waited: int = 0  # of them, loads that waited for the running steps
     host_write_steps: int = 0
     host_write_steps_waited: int = 0
+    host_prefetches: int = 0  # requests whose host hit was loaded back on arrival
+    host_prefetches_dropped: int = 0  # of them, unlocked again under memory pressure
+    host_early_copies: int = 0  # HostCopies messages sent while a step ran
 
 
 class SchedulerStats:

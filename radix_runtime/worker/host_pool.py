@@ -3,7 +3,8 @@ between it and the device pool that the scheduler asks for.
 
 The pool is one tensor [num_pages, num_layers, 2 (K, V), page_size, kv_heads, head_dim], page
 major: a host page is one contiguous block (every layer's K and V of its tokens), so a run of
-consecutive host pages is one contiguous range. It is allocated once at start (pinned on CUDA)
+consecutive host pages is one contiguous range. It is allocated once at start (pinned on CUDA,
+at its exact size: `pinned_empty`)
 and sized by --hicache-size or --hicache-ratio against the memory the machine has free. Page 0
 is reserved, as in the device pool. On CUDA a staging buffer of whole pages
 [chunk_pages, num_layers, 2, page_size, kv_heads, head_dim] (STAGING_BYTES at most) lives on
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +87,38 @@ def host_pool_pages(device_pool: KVPool, size_gb: float, ratio: float, bytes_per
     return pages
 
 
+def pinned_empty(shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A pinned host tensor of exactly its size, and whether it is registered: plain host memory
+    page-locked with cudaHostRegister. torch's pinned allocator (`pin_memory=True`) rounds each
+    allocation up to a power of two (a 17 GB host tier would pin 32 GB); it is the fallback when
+    registering fails."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        code = int(getattr(err, "value", err))
+    except Exception as exc:  # no cudart binding: the pinned allocator
+        logger.warning("cudaHostRegister unavailable (%s): pinning with torch's allocator", exc)
+        code = -1
+    if code == 0:
+        return t, True
+    if code > 0:
+        logger.warning("cudaHostRegister failed (error %d): pinning with torch's allocator", code)
+        try:  # the error is not sticky, but a later launch check would read it: clear it
+            torch.cuda.cudart().cudaGetLastError()
+        except AttributeError:
+            pass
+    del t
+    return torch.empty(shape, dtype=dtype, pin_memory=True), False
+
+
+def _host_unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the process's memory goes anyway
+        pass
+
+
 def last_per_destination(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A batch's copies with one copy per destination page, the last one queued. A page can be
     named twice in one batch: a node written to the host, evicted from it and its page handed
@@ -109,7 +143,13 @@ class HostKVPool:
         self.cuda = device_pool.device.type == "cuda"
         d = device_pool
         page = (d.num_layers, 2, d.page_size, d.kv_heads, d.head_dim)
-        self.buffer = torch.empty((num_pages, *page), dtype=d.dtype, pin_memory=self.cuda)
+        self.registered = False  # pinned at its exact size (cudaHostRegister)
+        if self.cuda:
+            self.buffer, self.registered = pinned_empty((num_pages, *page), d.dtype)
+            if self.registered:  # unpinned when the pool goes (the buffer lives as long)
+                weakref.finalize(self, _host_unregister, self.buffer.data_ptr())
+        else:
+            self.buffer = torch.empty((num_pages, *page), dtype=d.dtype)
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size()
         # the staging buffer (CUDA): whole pages on the device, used by the side stream only
         self.chunk_pages = max(1, min(staging_bytes // self.page_bytes, d.num_pages))
@@ -121,6 +161,8 @@ class HostKVPool:
                     (self.chunk_pages, *page), dtype=d.dtype, device=d.device
                 )
         self._last_write_event: torch.cuda.Event | None = None
+        # loads no step has waited for yet (copy's `needs`): (end event, device pages)
+        self._pending: list[tuple[torch.cuda.Event, np.ndarray]] = []
         # the copies move bytes: integer views of the same element size (index_copy_ has no
         # FP8 kernels)
         self._k = [_as_bits(b) for b in d.k_buffers]
@@ -150,12 +192,18 @@ class HostKVPool:
         load_dst: np.ndarray,
         writes_block: bool,
         busy: StepPages | None = None,
+        needs: np.ndarray | None = None,
     ) -> CopyTiming:
         """A batch's copies, before its model runs: writes, then loads (called for every step,
         copies or not). `busy`: the KV pages that the steps still running read and write; a
         copy that touches none of theirs does not wait for them (None: every copy waits).
-        Returns what `load_time` and `wait_time` read once the step is done, and whether the
-        loads / writes wait for the running steps (on the CPU: whether they would)."""
+        `needs`: the pages the batch's own step reads and writes (None: all of them); the
+        compute stream waits for the loads into those, queued first, and the other loads
+        (prefetches for later steps, or a HostCopies with no step: an empty `needs`) run after
+        them and are waited for by the first later step that touches their pages
+        (`wait_pending`). Returns what `load_time` and `wait_time` read once the step is done,
+        and whether the loads / writes wait for the running steps (on the CPU: whether they
+        would)."""
         t0 = time.perf_counter()
         self._check(write_src, write_dst, load_src, load_dst)
         write_src, write_dst = last_per_destination(write_src, write_dst)
@@ -203,7 +251,7 @@ class HostKVPool:
                 compute.wait_event(event)
         load = None
         if len(load_src):
-            load = self._load_async(load_src, load_dst, compute, load_waits)
+            load = self._load_async(load_src, load_dst, compute, load_waits, needs)
         if before is None:
             return CopyTiming()
         after = torch.cuda.Event(enable_timing=True)
@@ -312,21 +360,66 @@ class HostKVPool:
             else:
                 pool.copy_(staged, non_blocking=True)
 
-    def _load_async(self, src: np.ndarray, dst: np.ndarray, compute, wait: bool):
-        starts, lengths = self._count(src, load=True)
-        dst_t = torch.from_numpy(dst.astype(np.int64)).pin_memory()
+    def _load_async(self, src: np.ndarray, dst: np.ndarray, compute, wait: bool, needs=None):
+        """The loads (sorted by host page): those into `needs` first, the compute stream waiting
+        for them; the rest after them, held in `_pending` (all of them block with None)."""
+        own = np.ones(len(dst), bool) if needs is None else np.isin(dst, needs)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             if wait:
                 self.stream.wait_stream(compute)
             start.record(self.stream)
-            idx = dst_t.to(self.dev.device, non_blocking=True)
-            for a, b in self._chunks(len(src)):
-                self._copy_runs(src, starts, lengths, a, b, load=True)
-                self._scatter_device(idx[a:b], self._staging[: b - a])
+            if own.any():
+                self._load_group(src[own], dst[own])
+                if not own.all():
+                    own_end = torch.cuda.Event()
+                    own_end.record(self.stream)
+                    compute.wait_event(own_end)
+            if not own.all():
+                self._load_group(src[~own], dst[~own])
             end.record(self.stream)
-        compute.wait_event(end)
+        if own.all():
+            compute.wait_event(end)
+        else:
+            self._pending.append((end, dst[~own]))
         return start, end
+
+    def _load_group(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Queue loads on the copy stream (the current stream here)."""
+        starts, lengths = self._count(src, load=True)
+        idx = (
+            torch.from_numpy(dst.astype(np.int64))
+            .pin_memory()
+            .to(self.dev.device, non_blocking=True)
+        )
+        for a, b in self._chunks(len(src)):
+            self._copy_runs(src, starts, lengths, a, b, load=True)
+            self._scatter_device(idx[a:b], self._staging[: b - a])
+
+    def wait_pending(self, pages: StepPages) -> CopyTiming | None:
+        """Before a step that reads or writes `pages`: the compute stream waits for the loads
+        still held (`copy`'s `needs`) into any of them; the loads that are done are dropped.
+        The wait's timing (CUDA events), or None when nothing was waited for."""
+        if not self._pending:
+            return None
+        waits, keep = [], []
+        for event, dst in self._pending:
+            if event.query():
+                continue
+            if _touches(dst, pages.read) or _touches(dst, pages.written):
+                waits.append(event)
+            else:
+                keep.append((event, dst))
+        self._pending = keep
+        if not waits:
+            return None
+        compute = torch.cuda.current_stream(self.dev.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        for event in waits:
+            compute.wait_event(event)
+        after.record(compute)
+        return CopyTiming(wait=(before, after))
 
     def synchronize(self) -> None:
         """Every queued copy done (tests, shutdown)."""

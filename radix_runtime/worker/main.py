@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -53,7 +54,7 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
     ctx = zmq.Context()
     role = rank_role(rank)
     inbox_at = rank_inbox(args, ipc_dir, rank)
-    inbox = zmq_socket(ctx, zmq.PULL, inbox_at.addr, bind=inbox_at.worker_binds)
+    inbox = Inbox(zmq_socket(ctx, zmq.PULL, inbox_at.addr, bind=inbox_at.worker_binds))
     # (a rank on another host has no way back: its death reaches node 0 through the collectives)
     to_scheduler = zmq_socket(ctx, zmq.PUSH, endpoint(ipc_dir, "scheduler_w"), bind=False)
     outbox = to_scheduler if rank == 0 else _NoResults()  # only rank 0 reports step results
@@ -79,8 +80,12 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
         time.sleep(0.2)
         raise SystemExit(2) from exc
 
+    early_copies = runner.host_pool is not None and runner.device.type == "cuda"
+
     def finish(pending, held_s: float = 0.0) -> None:
         try:
+            if early_copies:  # host-tier copies sent on their own go out while it computes
+                inbox.copies_while(pending, runner)
             result = runner.collect(pending)
         except Exception as exc:
             fail(f"forward step {pending.step}", exc)
@@ -99,11 +104,8 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
             continue
         if runner.compiles_pending() and not inbox.poll(_COMPILE_POLL_MS):
             continue  # report a compile as soon as it is done
-        frame = inbox.recv()
-        try:
-            msg = m.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("dropped a malformed frame (%d bytes): %s", len(frame), exc)
+        msg = inbox.recv()
+        if msg is None:
             continue
         if isinstance(msg, m.ForwardBatch):
             if hang_at and msg.step >= hang_at:
@@ -134,6 +136,11 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
                 fail(f"forward step {msg.step}", exc)
             launched.launch_s = took + time.perf_counter() - t1
             pending = launched
+        elif isinstance(msg, m.HostCopies):
+            try:
+                runner.early_copies(msg)
+            except Exception as exc:
+                fail("host-tier copies", exc)
         elif isinstance(msg, m.CompileGrammar):
             runner.compile_grammar(msg.kind, msg.text)
         elif isinstance(msg, m.ShutdownReq):
@@ -141,6 +148,48 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
             return
         else:
             logger.warning("ignored an unexpected %s", type(msg).__name__)
+
+
+class Inbox:
+    """The scheduler's messages, decoded in order. While a step is collected (`copies_while`) the
+    host tier's HostCopies are made at once; any other message read then waits in `stash`, and
+    from the first one on everything does, so the messages keep their order (a batch's copies
+    and a later HostCopies' loads may name the same device page)."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.stash: deque = deque()
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        return bool(self.stash) or bool(self.sock.poll(timeout_ms))
+
+    def recv(self):
+        """The next message (None: a malformed frame, dropped)."""
+        if self.stash:
+            return self.stash.popleft()
+        return self._decode(self.sock.recv())
+
+    @staticmethod
+    def _decode(frame: bytes):
+        try:
+            return m.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("dropped a malformed frame (%d bytes): %s", len(frame), exc)
+            return None
+
+    def copies_while(self, pending, runner) -> None:
+        """Until `pending` is done: make the HostCopies that arrive (`ModelRunner.early_copies`:
+        loads of requests the scheduler read while this step runs, queued beside the steps in
+        flight), stashing anything else (then stop reading: it keeps its place)."""
+        spin_until = time.perf_counter() + _SPIN_S
+        while not self.stash and not pending.ready():
+            if not self.sock.poll(0 if time.perf_counter() < spin_until else 1):
+                continue
+            msg = self._decode(self.sock.recv())
+            if isinstance(msg, m.HostCopies):
+                runner.early_copies(msg)
+            elif msg is not None:
+                self.stash.append(msg)
 
 
 class _NoResults:
@@ -158,8 +207,8 @@ _SPIN_S = 0.5
 _COMPILE_POLL_MS = 2
 
 
-def wait_for_batch(inbox, pending) -> bool:
-    """Wait until `pending` is done (False) or a frame arrives (True), whichever is first."""
+def wait_for_batch(inbox: Inbox, pending) -> bool:
+    """Wait until `pending` is done (False) or a message arrives (True), whichever is first."""
     if inbox.poll(0):
         return True
     spin_until = time.perf_counter() + _SPIN_S

@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -115,6 +115,8 @@ class PendingStep:
     event: torch.cuda.Event | None = None  # recorded after the device-to-host copies
     logits: list[torch.Tensor | None] | None = None  # per request (forward_with_logits)
     load: CopyTiming | None = None  # the host tier's copy timing (HostKVPool.load_time)
+    # copies sent on their own (HostCopies) since the step before was launched
+    early: list[CopyTiming] = field(default_factory=list)
     deferred: tuple | None = None  # (layout, logits, keep_logits) until `sample` runs
     launch_s: float = 0.0  # the worker loop's host time to launch it (ForwardResult.launch_s)
 
@@ -197,6 +199,7 @@ class ModelRunner:
         # the KV pages each launched, not yet collected step reads and writes (by step): a host
         # tier copy that touches none of them need not wait for those steps (HostKVPool.copy)
         self._in_flight: dict[int, StepPages] = {}
+        self._early: list[CopyTiming] = []  # HostCopies made since the last launch
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(self.max_running, dtype=torch.long, device=self.device)
@@ -393,13 +396,15 @@ class ModelRunner:
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
+        layout = self._prepare(batch.reqs) if batch.reqs else None
         if batch.write_src or batch.load_src or self.host_pool is not None:
             # NOTE: with a host tier every step goes through it, copies or not: it also waits
-            # for the previous batch's writes (their device pages may be reused now)
-            pending.load = self._host_copies(batch)
-        if not batch.reqs:
+            # for the previous batch's writes (their device pages may be reused now), and for
+            # the loads held for later steps (prefetches) into pages this step touches
+            pending.load = self._host_copies(batch, layout.pages if layout else None)
+        pending.early, self._early = self._early, []
+        if layout is None:
             return pending
-        layout = self._prepare(batch.reqs)
         if self.threads:
             self._cpu_threads_for(layout.meta.num_tokens)
         self._in_flight[pending.step] = layout.pages
@@ -466,19 +471,48 @@ class ModelRunner:
         if keep_logits:
             pending.logits = per_req
 
-    def _host_copies(self, batch: m.ForwardBatch):
-        """The host tier's copies of this batch, queued before its model (HostKVPool.copy)."""
+    def _host_copies(self, batch: m.ForwardBatch, step: StepPages | None):
+        """The host tier's copies of this batch, queued before its model (HostKVPool.copy): the
+        step (`step`: its pages) waits for the loads into its pages, held ones included."""
         if self.host_pool is None:
             raise ValueError(
                 "host-tier copies sent to a worker without --enable-hierarchical-cache"
             )
-        return self.host_pool.copy(
+        timing = self.host_pool.copy(
             m.unpack_ids(batch.write_src),
             m.unpack_ids(batch.write_dst),
             m.unpack_ids(batch.load_src),
             m.unpack_ids(batch.load_dst),
             batch.writes_block,
             busy=self.pages_in_flight(),
+            needs=None if step is None else np.concatenate([step.read, step.written]),
+        )
+        if step is not None and self.device.type == "cuda":
+            held = self.host_pool.wait_pending(step)
+            if held is not None:  # timed with the copies sent on their own
+                self._early.append(held)
+        return timing
+
+    @torch.inference_mode()
+    def early_copies(self, msg: m.HostCopies) -> None:
+        """Host-tier copies sent on their own (--hicache-prefetch arrival), made now: queued on
+        the copy stream beside the steps in flight (a load waits for them only if it touches
+        their pages), and every step launched later waits for them, as for a batch's copies.
+        Their times are reported with the next step launched."""
+        if self.host_pool is None:
+            raise ValueError(
+                "host-tier copies sent to a worker without --enable-hierarchical-cache"
+            )
+        self._early.append(
+            self.host_pool.copy(
+                m.unpack_ids(msg.write_src),
+                m.unpack_ids(msg.write_dst),
+                m.unpack_ids(msg.load_src),
+                m.unpack_ids(msg.load_dst),
+                msg.writes_block,
+                busy=self.pages_in_flight(),
+                needs=np.zeros(0, np.int32),  # no step: each later step waits for its pages
+            )
         )
 
     def pages_in_flight(self) -> StepPages:
@@ -500,6 +534,13 @@ class ModelRunner:
         self._in_flight.pop(pending.step, None)  # its kernels are done (the event follows them)
         load_s, wait_s = HostKVPool.load_time(pending.load), HostKVPool.wait_time(pending.load)
         copies = pending.load or CopyTiming()
+        issue_s, load_waited, write_waited = copies.issue_s, copies.load_waited, copies.write_waited
+        for early in pending.early:  # copies sent on their own before this step
+            load_s += HostKVPool.load_time(early)
+            wait_s += HostKVPool.wait_time(early)
+            issue_s += early.issue_s
+            load_waited |= early.load_waited
+            write_waited |= early.write_waited
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0
@@ -541,9 +582,9 @@ class ModelRunner:
             forward_s=forward_s,
             load_s=load_s,
             copy_wait_s=wait_s,
-            copy_issue_s=copies.issue_s,
-            load_waited=copies.load_waited,
-            write_waited=copies.write_waited,
+            copy_issue_s=issue_s,
+            load_waited=load_waited,
+            write_waited=write_waited,
         )
 
     def _copy_to_host(

@@ -31,7 +31,8 @@ def _pools(page_size=16, num_pages=64, host_pages=128):
 
 def test_host_pool_is_pinned_and_copies_round_trip():
     dev, host = _pools()
-    assert host.buffer.is_pinned()
+    # pinned at its exact size (cudaHostRegister), not by the power-of-two pinned allocator
+    assert host.buffer.is_pinned() and host.registered
     src = np.array([3, 7, 8, 20], np.int32)
     before = [b[torch.from_numpy(src).long().cuda()].clone() for b in dev.k_buffers]
     host.copy(
@@ -104,6 +105,40 @@ def test_copies_that_touch_no_page_of_the_running_steps_overlap_them():
     host.stream.synchronize()
     assert step.query()  # page 4 is written by the running step: the write waited for it
     torch.cuda.synchronize()
+
+
+def test_loads_for_later_steps_do_not_hold_this_step_and_the_step_reading_them_waits():
+    """`needs`: the pages of the batch's own step. Loads into other pages (prefetches) go after
+    its own and the compute stream does not wait for them; the first later step touching their
+    pages does (`wait_pending`), and one that does not touch them does not."""
+    dev, host = _pools()
+    host.buffer.fill_(1.0)
+    none = np.zeros(0, np.int32)
+    host.copy(none, none, np.array([9], np.int32), np.array([6], np.int32), False)  # warm-up
+    torch.cuda.synchronize()
+    with torch.cuda.stream(host.stream):
+        torch.cuda._sleep(int(5e8))  # the copy stream busy for a few hundred ms
+    host.copy(none, none, np.array([11], np.int32), np.array([8], np.int32), False, needs=none)
+    free = torch.cuda.Event()
+    free.record()
+    free.synchronize()  # the compute stream passed the batch ...
+    assert not host._pending[0][0].query()  # ... while its load still waits behind the sleep
+    host.copy(none, none, np.array([9, 10], np.int32), np.array([5, 7], np.int32), False,
+              needs=np.array([5], np.int32))  # fmt: skip
+    own = torch.cuda.Event()
+    own.record()  # after the compute stream's wait for page 5's load (not page 7's)
+    assert [d.tolist() for _, d in host._pending] == [[8], [7]]
+    assert host.wait_pending(StepPages(read=np.array([1, 2], np.int32), written=none)) is None
+    waited = host.wait_pending(StepPages(read=np.array([3], np.int32), written=np.array([8])))
+    assert waited is not None and [d.tolist() for _, d in host._pending] == [[7]]
+    dev.k_buffers[0][8].add_(1)  # the step writing page 8 runs after its load
+    torch.cuda.synchronize()
+    assert own.query() and torch.all(dev.k_buffers[0][5] == 1)
+    assert torch.all(dev.k_buffers[0][7] == 1) and torch.all(dev.k_buffers[0][8] == 2)
+    assert HostKVPool.wait_time(waited) > 0
+    # a load done is dropped without a wait
+    assert host.wait_pending(StepPages(read=np.array([7], np.int32), written=none)) is None
+    assert host._pending == []
 
 
 def test_a_host_page_written_twice_in_a_batch_holds_the_later_write():
@@ -211,6 +246,35 @@ def test_outputs_with_the_host_tier_on_cuda(monkeypatch):
             on, sched = eq.run(tiered_runner, args, prompts, greedy, arrivals)
             assert on == off and sched.tree_impl == impl
             assert sched.host_cached_tokens_total > 0
+
+
+def test_prefetched_loads_sent_while_steps_run_keep_outputs_on_cuda():
+    """--hicache-prefetch arrival on CUDA: the loads of requests that arrive while steps are in
+    flight go to the runner at once (`ModelRunner.early_copies`, as the scheduler process sends
+    them), on the copy stream beside those steps; greedy outputs equal cache off."""
+    pytest.importorskip("flashinfer")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    import test_cache_equivalence as eq
+    import test_hicache_equivalence as hq
+
+    from radix_runtime import messages as m
+    from radix_runtime.config import ServerArgs
+    from radix_runtime.worker.model_runner import ModelRunner
+
+    for page_size, pool in ((1, 96), (16, 128)):
+        args = ServerArgs(model="tiny-llama", load_format="dummy", model_config="tiny-llama",
+                          page_size=page_size, max_total_tokens=pool, chunked_prefill_size=32,
+                          max_running_requests=3, device="cuda", disable_cuda_graph=True,
+                          enable_hierarchical_cache=True, hicache_ratio=8.0)  # fmt: skip
+        runner = ModelRunner(args)
+        prompts, arrivals = hq.staggered(runner.ready_info().vocab_size)
+        greedy = m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        off, _ = eq.run(runner, args.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+        for impl in ("python", "cpp"):
+            on, sched = eq.run(runner, args.replace(radix_tree_impl=impl), prompts, greedy,
+                               arrivals, early=True)  # fmt: skip
+            assert on == off, (page_size, impl)
+            assert sched.counters.host_prefetches > 0 and sched.counters.host_early_copies > 0
 
 
 def test_a_cuda_batch_reports_which_copies_waited_and_its_host_time():

@@ -44,13 +44,17 @@ def runner_factory():
     return make
 
 
-def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None, defer=False):
+def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None, defer=False,
+        early=False):  # fmt: skip
     """The scheduler process's step loop (`scheduler.main.advance`) with the runner in-process
     (`namespaces[i]`: request i's cache namespace, "" the public one): with the overlap schedule
     on (args.disable_overlap_schedule False) step N+1 is launched before step N is collected,
     its decoders feeding the tokens step N sampled from the device (from_last_sample). `defer`:
     launched as the worker process does, a constrained step's sampling queued after the step
-    before it was collected (`ModelRunner.launch(defer_sample=True)`)."""
+    before it was collected (`ModelRunner.launch(defer_sample=True)`). `early` (the host tier):
+    the copies queued by arrivals go to the runner at once (`ModelRunner.early_copies`), with
+    the steps in flight, as the scheduler process sends what a request read during a step
+    queued."""
     sched = Scheduler(args, runner.ready_info())
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
@@ -79,6 +83,10 @@ def run(runner, args: ServerArgs, prompts, sampling, arrivals, namespaces=None, 
                 )
             )
             pending.remove(i)
+        if early:
+            copies = sched.take_early_copies()
+            if copies is not None:
+                runner.early_copies(copies)
         # constrained requests: the worker compiles their grammar (on its threads) first
         for msg in sched.take_worker_messages():
             runner.compile_grammar(msg.kind, msg.text)

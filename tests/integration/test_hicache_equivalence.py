@@ -70,6 +70,41 @@ def test_host_tier_outputs_equal_cache_off_and_device_only(page_size, pool):
         assert sched.cached_tokens_total > dev_sched.cached_tokens_total
 
 
+def staggered(vocab: int, n: int = 6):
+    """n two-turn conversations: the first turns together, the second turns a step apart
+    (some arrive while the slots are full and wait: --hicache-prefetch arrival loads their
+    host hits back then)."""
+    prompts, _ = conversations(vocab, n=n)
+    return prompts[: 2 * n], [0] * n + [40 + i for i in range(n)]
+
+
+@pytest.mark.parametrize("page_size,pool", [(1, 96), (16, 128)])
+def test_prefetch_on_arrival_outputs_equal_cache_off(page_size, pool):
+    """Host hits loaded back when their requests arrive, the copies handed to the runner at
+    once while the steps before run (the overlap schedule), both trees: greedy outputs equal
+    cache off and the tier without prefetching."""
+    from radix_runtime.worker.model_runner import ModelRunner
+
+    base = ServerArgs(
+        model="tiny-llama", load_format="dummy", model_config="tiny-llama", page_size=page_size,
+        max_total_tokens=pool, chunked_prefill_size=32, max_running_requests=3, device="cpu",
+    )  # fmt: skip
+    tiered = base.replace(enable_hierarchical_cache=True, hicache_ratio=8.0)
+    runner = ModelRunner(tiered)
+    prompts, arrivals = staggered(runner.ready_info().vocab_size)
+    greedy = m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    off, _ = run(runner, tiered.replace(disable_radix_cache=True), prompts, greedy, arrivals)
+    plain, _ = run(runner, tiered.replace(hicache_prefetch="off"), prompts, greedy, arrivals)
+    assert plain == off
+    for impl in ("python", "cpp"):
+        args = tiered.replace(radix_tree_impl=impl)
+        on, sched = run(runner, args, prompts, greedy, arrivals, early=True)
+        assert on == off, impl
+        c = sched.counters
+        assert c.host_prefetches > 0 and c.host_early_copies > 0
+        assert sched.host_cached_tokens_total > 0
+
+
 def test_server_with_the_cpp_tree_and_the_host_tier_keeps_greedy_outputs(tmp_path):
     """A real server (`--radix-tree-impl cpp`, the host tier on, a 64-token device pool):
     multi-turn conversations sent a turn at a time (one /generate batch per turn) give the same
@@ -112,5 +147,52 @@ def test_server_with_the_cpp_tree_and_the_host_tier_keeps_greedy_outputs(tmp_pat
         assert 0 < cache["host_load_steps"] <= cache["host_loads"]
         assert cache["host_write_steps"] > 0 and cache["host_copy_issue_s"] > 0
         assert cache["host_load_steps_waited"] == cache["host_write_steps_waited"] == 0
+    finally:
+        assert server.stop() is not None
+
+
+def test_server_prefetches_requests_read_while_a_step_runs(tmp_path):
+    """A real server with prefetch on arrival (the default): second turns sent together, more
+    than the slots hold, so the scheduler reads some while a step runs and sends their loads
+    to the worker at once (HostCopies); greedy outputs equal the same prompts computed
+    without reuse."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_support import start_server
+
+    server = start_server(
+        str(tmp_path), "--load-format", "dummy", "--model-config", "tiny-llama",
+        "--device", "cpu", "--max-total-tokens", "192", "--chunked-prefill-size", "32",
+        "--max-running-requests", "2", "--enable-hierarchical-cache", "--hicache-ratio", "8",
+    )  # fmt: skip
+    try:
+        prompts, _ = staggered(vocab=500, n=8)
+        sampling = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+        with server.client(timeout=120) as c:
+
+            def generate(prompt, salt=""):
+                body = {"input_ids": prompt, "sampling_params": sampling}
+                if salt:
+                    body["cache_salt"] = salt
+                r = c.post("/generate", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            fresh = [generate(p, f"own-{i}")["output_ids"] for i, p in enumerate(prompts)]
+            first = [generate(p)["output_ids"] for p in prompts[:8]]
+            with ThreadPoolExecutor(9) as pool:
+                # a long request keeps the scheduler stepping while the second turns arrive
+                long = {"input_ids": prompts[0][:20], "cache_salt": "busy",
+                        "sampling_params": {**sampling, "max_new_tokens": 80}}  # fmt: skip
+                busy = pool.submit(c.post, "/generate", json=long)
+                for _ in range(500):
+                    if c.get("/get_server_info").json()["running_requests"]:
+                        break
+                second = list(pool.map(generate, prompts[8:]))
+                assert busy.result().status_code == 200
+            cache = c.get("/get_server_info").json()["cache"]
+        assert first + [out["output_ids"] for out in second] == fresh
+        assert sum(out["meta_info"]["host_cached_tokens"] for out in second) > 0
+        assert cache["host_prefetches"] > 0 and cache["host_early_copies"] > 0
     finally:
         assert server.stop() is not None

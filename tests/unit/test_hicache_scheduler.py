@@ -33,12 +33,16 @@ class TieredFakeWorker(FakeWorker):
     def forward(self, batch: m.ForwardBatch) -> m.ForwardResult:
         if self.sent is not None:
             self.sent.append(batch)
+        self.copy(batch)
+        return super().forward(batch)
+
+    def copy(self, batch: m.ForwardBatch | m.HostCopies) -> None:
+        """A batch's copies (or a HostCopies message's): writes, then loads."""
         src, dst = m.unpack_ids(batch.write_src), m.unpack_ids(batch.write_dst)
         self.host[dst] = self.pool[src]
         src, dst = m.unpack_ids(batch.load_src), m.unpack_ids(batch.load_dst)
         self.pool[dst] = self.host[src]
         self.loaded_pages += len(src)
-        return super().forward(batch)
 
 
 def conversations(n=6, rounds=3, seed=0):
@@ -51,7 +55,11 @@ def conversations(n=6, rounds=3, seed=0):
 
 
 def run(prompts, arrivals, *, hicache, page_size=1, pool=96, host=4096, overlap=False,
-        policy="write_through", disable=False, aborts=None, max_new=4, sent=None):  # fmt: skip
+        policy="write_through", disable=False, aborts=None, max_new=4, sent=None,
+        prefetch="arrival", early=False, between=None):  # fmt: skip
+    """`early`: the copies queued by requests' arrival go to the worker at once (HostCopies),
+    as the scheduler process sends them while a step runs; `between(sched, step)` runs after
+    each step's arrivals."""
     args = ServerArgs(
         page_size=page_size,
         max_total_tokens=pool,
@@ -62,6 +70,7 @@ def run(prompts, arrivals, *, hicache, page_size=1, pool=96, host=4096, overlap=
         disable_overlap_schedule=not overlap,
         enable_hierarchical_cache=hicache,
         hicache_write_policy=policy,
+        hicache_prefetch=prefetch,
         # admission reserves only the decoders' next pages: these tiny pools then see the
         # evictions, loads and retractions the tests are about
         schedule_conservativeness=0.0,
@@ -83,6 +92,14 @@ def run(prompts, arrivals, *, hicache, page_size=1, pool=96, host=4096, overlap=
                 m.GenerateReq(rid=f"r{i}", input_ids=m.pack_ids(prompts[i]), sampling=sampling)
             )
             pending.remove(i)
+        if early:
+            copies = sched.take_early_copies()
+            if copies is not None:
+                if sent is not None:
+                    sent.append(copies)
+                worker.copy(m.decode(m.encode(copies)))
+        if between is not None:
+            between(sched, step)
         for rid, at in list(aborts.items()):
             if at(sched, step):
                 sched.abort(rid)
@@ -286,7 +303,7 @@ def test_a_load_goes_in_the_same_step_as_its_requests_first_prefill_chunk():
         for overlap in (False, True):
             sent = []
             _, sched = run(prompts, arrivals, hicache=True, page_size=page_size,
-                           overlap=overlap, sent=sent)  # fmt: skip
+                           overlap=overlap, sent=sent, prefetch="off")  # fmt: skip
             assert sched.host_loads > 0
             with_loads = [b for b in sent if b.load_dst]
             assert with_loads
@@ -298,3 +315,134 @@ def test_a_load_goes_in_the_same_step_as_its_requests_first_prefill_chunk():
                 # computing the tokens right after what was loaded
                 assert rows and all(r.new_slot and len(r.input_ids) > 0 for r in rows)
                 assert loaded <= set().union(*(m.unpack_ids(r.new_pages).tolist() for r in rows))
+
+
+# -- --hicache-prefetch arrival: a waiting request's host hit is loaded back when it arrives
+
+
+def staggered(n=8, seed=0, max_gap=1):
+    """n two-turn conversations: the first turns together, the second turns one a step later
+    (while earlier ones run, so some wait: prefetch has time to work)."""
+    prompts, _ = conversations(n=n, rounds=2, seed=seed)
+    return prompts, [0] * n + [40 + max_gap * i for i in range(n)]
+
+
+def _handed_out(sent) -> dict[int, list[int]]:
+    """Each device page -> the indices of the batches whose rows were handed it."""
+    out: dict[int, list[int]] = {}
+    for i, batch in enumerate(sent):
+        for r in getattr(batch, "reqs", ()):
+            for page in m.unpack_ids(r.new_pages).tolist():
+                out.setdefault(page, []).append(i)
+    return out
+
+
+def test_prefetch_on_arrival_loads_before_the_first_step_and_keeps_outputs():
+    """Turns that arrive while the slots are full have their host hits loaded back on arrival
+    (locked for them while they wait): every load is sent no later than the first batch that
+    reads its pages, some strictly before it (the copy runs while the request waits), the
+    loaded tokens count as host hits, and outputs equal cache off, with the copies sent on
+    their own (HostCopies, as while a step runs) or with the next batch."""
+    prompts, arrivals = staggered()
+    off, _ = run(prompts, arrivals, hicache=False, disable=True)
+    for page_size, early in ((1, True), (4, False)):
+        sent = []
+        on, sched = run(prompts, arrivals, hicache=True, page_size=page_size, overlap=True,
+                        sent=sent, early=early, pool=160)  # fmt: skip
+        assert on == off, (page_size, early)
+        c = sched.counters
+        assert c.host_prefetches > 0 and sched.host_cached_tokens_total > 0
+        assert (c.host_early_copies > 0) == early
+        # a loaded page is handed to its request's rows in the load's batch or, prefetched
+        # while the request waited and sent at once, in a later one (the fake worker's
+        # outputs check the order)
+        handed, ahead = _handed_out(sent), 0
+        for i, batch in enumerate(sent):
+            for page in m.unpack_ids(batch.load_dst).tolist():
+                ahead += min((j for j in handed.get(page, ()) if j >= i), default=i) > i
+        assert (ahead > 0) == early
+        # the counts by tier add up as without prefetching
+        stats = sched.stats.report(sched)
+        assert 0 < sched.host_cached_tokens_total <= sched.cached_tokens_total
+        assert stats is not None
+
+
+def test_prefetch_off_loads_with_the_first_chunk_only():
+    prompts, arrivals = staggered()
+    on, sched = run(prompts, arrivals, hicache=True, prefetch="off", overlap=True, pool=160)
+    assert sched.counters.host_prefetches == 0 and sched.host_cached_tokens_total > 0
+
+
+def test_abort_of_a_prefetched_waiting_request_frees_everything():
+    """A request aborted while it waits with its prefetch: its lock goes, the loaded nodes stay
+    cached (evictable), nothing leaks (check_integrity after every step: nothing locked once
+    idle), and the other requests' outputs are unchanged."""
+    prompts, arrivals = staggered()
+    aborted = []
+
+    def prefetched(rid):
+        def at(sched, step):
+            req = sched.reqs.get(rid)
+            if req is not None and req.prefetch_node is not None:
+                aborted.append(rid)
+                return True
+            return False
+
+        return at
+
+    victims = {f"r{i}": prefetched(f"r{i}") for i in range(8, 16, 2)}
+    off, _ = run(prompts, arrivals, hicache=False, disable=True)
+    for overlap in (False, True):
+        aborted.clear()
+        out, sched = run(prompts, arrivals, hicache=True, overlap=overlap, aborts=dict(victims),
+                         early=overlap, pool=160)  # fmt: skip
+        assert aborted and all(not out[v] for v in aborted)
+        assert {k: out[k] for k in off if k not in victims} == {
+            k: v for k, v in off.items() if k not in victims
+        }
+        assert sched.admission.prefetched() == 0
+        sched.check_integrity()
+
+
+def test_prefetch_under_memory_pressure_gives_way_and_keeps_outputs():
+    """A pool too small for the running turns and the waiting turns' prefetches: the prefetches
+    are given up (unlocked) before a running request is retracted or a step stalls, they never
+    hold more than half the pool, and outputs still equal cache off."""
+    prompts, arrivals = staggered(seed=1)
+    off, _ = run(prompts, arrivals, hicache=False, disable=True, max_new=12)
+    for overlap in (False, True):
+        held = []
+
+        def prefetched_pages(sched, step, held=held):
+            ps = sched.page_size
+            held.append(
+                sum(r.prefetched_tokens // ps for r in sched.waiting if r.prefetch_node is not None)
+            )
+
+        on, sched = run(prompts, arrivals, hicache=True, pool=80, host=400, overlap=overlap,
+                        max_new=12, early=overlap, between=prefetched_pages)  # fmt: skip
+        assert on == off
+        c = sched.counters
+        assert c.host_prefetches > 0 and c.host_prefetches_dropped > 0 and sched.retractions > 0
+        assert 0 < max(held) <= sched.allocator.total_pages // 2
+
+
+def test_a_prefetched_node_evicted_meanwhile_is_recomputed():
+    """A prefetch given up while its request waits, its nodes then dropped from both tiers
+    (a cache flush): the request matches what is left when admitted and computes the rest;
+    outputs equal cache off."""
+    prompts, arrivals = conversations()
+    off, _ = run(prompts, arrivals, hicache=False, disable=True)
+    flushed = []
+
+    def flush_after_prefetch(sched, step):
+        waiting = [r for r in sched.waiting if r.prefetch_node is not None]
+        if waiting and len(flushed) < 3:
+            assert sched.admission.drop_prefetches()
+            assert all(r.prefetch_node is None for r in waiting)
+            sched.flush_cache()
+            flushed.append(step)
+
+    on, sched = run(prompts, arrivals, hicache=True, between=flush_after_prefetch)
+    assert flushed and on == off
+    assert sched.counters.host_prefetches_dropped >= len(flushed)
