@@ -396,12 +396,16 @@ class ModelRunner:
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
-        layout = self._prepare(batch.reqs) if batch.reqs else None
         if batch.write_src or batch.load_src or self.host_pool is not None:
             # NOTE: with a host tier every step goes through it, copies or not: it also waits
-            # for the previous batch's writes (their device pages may be reused now), and for
+            # for the previous batch's writes (their device pages may be reused now)
+            pending.load = self._host_copies(batch)
+        layout = self._prepare(batch.reqs) if batch.reqs else None
+        if layout is not None and self.host_pool is not None and self.device.type == "cuda":
             # the loads held for later steps (prefetches) into pages this step touches
-            pending.load = self._host_copies(batch, layout.pages if layout else None)
+            held = self.host_pool.wait_pending(layout.pages)
+            if held is not None:  # timed with the copies sent on their own
+                self._early.append(held)
         pending.early, self._early = self._early, []
         if layout is None:
             return pending
@@ -471,27 +475,26 @@ class ModelRunner:
         if keep_logits:
             pending.logits = per_req
 
-    def _host_copies(self, batch: m.ForwardBatch, step: StepPages | None):
-        """The host tier's copies of this batch, queued before its model (HostKVPool.copy): the
-        step (`step`: its pages) waits for the loads into its pages, held ones included."""
+    def _host_copies(self, batch: m.ForwardBatch):
+        """The host tier's copies of this batch, queued before its model (HostKVPool.copy), as
+        soon as the batch arrives. The step waits for the loads into the pages its rows are
+        handed (`new_pages`: a page loaded now is fresh, so only a request admitted with it
+        reads it); the others are held for later steps (`HostKVPool.wait_pending`)."""
         if self.host_pool is None:
             raise ValueError(
                 "host-tier copies sent to a worker without --enable-hierarchical-cache"
             )
-        timing = self.host_pool.copy(
+        empty = np.zeros(0, np.int32)
+        needs = np.concatenate([empty, *(m.unpack_ids(r.new_pages) for r in batch.reqs)])
+        return self.host_pool.copy(
             m.unpack_ids(batch.write_src),
             m.unpack_ids(batch.write_dst),
             m.unpack_ids(batch.load_src),
             m.unpack_ids(batch.load_dst),
             batch.writes_block,
             busy=self.pages_in_flight(),
-            needs=None if step is None else np.concatenate([step.read, step.written]),
+            needs=needs,
         )
-        if step is not None and self.device.type == "cuda":
-            held = self.host_pool.wait_pending(step)
-            if held is not None:  # timed with the copies sent on their own
-                self._early.append(held)
-        return timing
 
     @torch.inference_mode()
     def early_copies(self, msg: m.HostCopies) -> None:
