@@ -200,6 +200,7 @@ class ModelRunner:
         # tier copy that touches none of them need not wait for those steps (HostKVPool.copy)
         self._in_flight: dict[int, StepPages] = {}
         self._early: list[CopyTiming] = []  # HostCopies made since the last launch
+        self._unread: list[CopyTiming] = []  # copy times not done when their step was
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(self.max_running, dtype=torch.long, device=self.device)
@@ -535,15 +536,20 @@ class ModelRunner:
         if pending.event is not None:
             pending.event.synchronize()
         self._in_flight.pop(pending.step, None)  # its kernels are done (the event follows them)
-        load_s, wait_s = HostKVPool.load_time(pending.load), HostKVPool.wait_time(pending.load)
-        copies = pending.load or CopyTiming()
-        issue_s, load_waited, write_waited = copies.issue_s, copies.load_waited, copies.write_waited
-        for early in pending.early:  # copies sent on their own before this step
-            load_s += HostKVPool.load_time(early)
-            wait_s += HostKVPool.wait_time(early)
-            issue_s += early.issue_s
-            load_waited |= early.load_waited
-            write_waited |= early.write_waited
+        # the copies' times: this batch's and those sent on their own before it; a time whose
+        # copy is still running (a load held for a later step) is read with a later step
+        copies = [t for t in (pending.load, *pending.early) if t is not None]
+        issue_s = sum(t.issue_s for t in copies)
+        load_waited = any(t.load_waited for t in copies)
+        write_waited = any(t.write_waited for t in copies)
+        load_s = wait_s = 0.0
+        unread, self._unread = self._unread + copies, []
+        for t in unread:
+            if not t.ready():
+                self._unread.append(t)
+                continue
+            load_s += HostKVPool.load_time(t)
+            wait_s += HostKVPool.wait_time(t)
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0
