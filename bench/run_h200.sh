@@ -11,6 +11,9 @@
 #   kernels    bench/gpu_kernels.py           -> $OUT/h200_gpu_kernels.json
 #   gemv       bench/gemv_sweep.py            -> $OUT/h200_gemv_sweep.json
 #   worker     bench/gpu_worker.py            -> $OUT/h200_gpu_worker.json
+#   levers     bench/decode_levers.py: batch-1 decode with KernelConfig.pdl off / on (Llama-3.1-8B
+#              bf16 / FP8 / int4, Qwen3-8B, Gemma-3-12B), the split-KV attention and the family
+#              shapes' GEMV configs -> $OUT/h200_decode_levers.json
 #   families   tests/gpu for Qwen3 / Mistral / Gemma 3 (and the windowed and q/k-norm kernels), then
 #              bench/gpu_worker.py --model qwen3-8b, mistral-7b, gemma-3-12b
 #              -> $OUT/gpu_tests_families.txt, $OUT/h200_gpu_worker_<model>.json
@@ -120,6 +123,10 @@ for stage in "${stages[@]}"; do
                 && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/h200_gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        levers)
+            timeout 300 python3 bench/decode_levers.py --out "$OUT/h200_decode_levers.json" \
+                --models llama-3.1-8b:none,llama-3.1-8b:fp8,llama-3.1-8b:int4,qwen3-8b:none,gemma-3-12b:none \
+                --gemv-budget-s 60 || status=1 ;;
         tp)
             python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider \
                 --timeout 300 2>&1 | tee "$OUT/gpu_tests_tp.txt" | tail -15 || status=1

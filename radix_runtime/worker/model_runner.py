@@ -38,6 +38,7 @@ import torch
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs, auto_grammar_fill_threads, auto_max_running_requests
+from radix_runtime.worker import cpu_native
 from radix_runtime.worker.attention import create_backend, resolve_backend_name
 from radix_runtime.worker.attention.base import AttentionMetadata
 from radix_runtime.worker.cuda_graph import CudaGraphRunner, ExtendGraphRunner
@@ -175,6 +176,8 @@ class ModelRunner:
             kernels=self.kernels,
         )
         self.attn.bind_pool(self.kv_pool)
+        if self.device.type == "cpu" and not args.disable_cpu_native_decoder:
+            self.model.cpu_decoder = cpu_native.build(self.model, self.kv_pool, self.attn)
         self.max_pages_per_slot = math.ceil(self.context_length / self.page_size) + 1
         # request slots: --max-running-requests, else sized from the pool and, when decode steps
         # are graphed, the largest graph (the scheduler is told)

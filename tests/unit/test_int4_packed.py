@@ -217,3 +217,11 @@ def test_fused_path_picks_the_int4_kernel_by_rows(monkeypatch):
     for rows in (1, 16, 17):
         ops.project(torch.randn(rows, 128), layer)
     assert calls[8:] == [("gemv", 1), ("rows", 16), ("gemm", 17)]
+
+
+def test_int4_gemv_rows_refuses_an_input_of_the_wrong_width():
+    q = torch.randint(0, 16, (8, 64))
+    qweight = interleave_quads(pack_int4_rows(q))
+    ac = int4_gemv_scales(torch.rand(8, 2), torch.zeros(8, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="input of 32 columns for a weight of 64"):
+        int4_gemv_rows(torch.randn(2, 32), qweight, ac, 32)

@@ -37,7 +37,7 @@ def test_single_rows_take_the_gemv_with_the_configs_table(gemv_calls):
     w = torch.randn(5, 8)
     x = torch.randn(1, 8)
     assert torch.allclose(ops.linear(x, w, None), x @ w.T)
-    assert gemv_calls == [{"table": table}]
+    assert gemv_calls == [{"table": table, "pdl": False}]
     ops.linear(torch.randn(3, 8), w, None)  # more rows: F.linear
     ops.linear(x, w, torch.zeros(5))  # a bias: F.linear
     assert len(gemv_calls) == 1
@@ -75,3 +75,26 @@ def test_runner_hands_its_config_to_the_attention_backend():
                       max_running_requests=2)  # fmt: skip
     runner = ModelRunner(args, kernels=kernels)
     assert runner.kernels is kernels and runner.attn.kernels is kernels
+
+
+def test_dependent_launch_is_asked_for_but_only_used_where_supported():
+    """Serving asks for PDL; a machine without a Hopper GPU and Triton's gdc_wait (this one, when
+    it has no CUDA) launches plainly, and the launch keywords say so."""
+    from radix_runtime.worker.kernels._triton import pdl_launch, pdl_supported
+
+    assert KernelConfig().pdl
+    assert KernelConfig().use_pdl() == pdl_supported()
+    assert not KernelConfig(pdl=False).use_pdl()
+    if not torch.cuda.is_available():
+        assert not pdl_supported() and not FusedOps(KernelConfig()).pdl
+    assert pdl_launch(False) == {"USE_PDL": False}
+    assert pdl_launch(True) == {"USE_PDL": True, "launch_pdl": True}
+
+
+def test_gemv_reference_of_the_gelu_prologue():
+    torch.manual_seed(0)
+    w, x = torch.randn(6, 8), torch.randn(1, 16)
+    want = F.linear(F.gelu(x[:, :8], approximate="tanh") * x[:, 8:], w)
+    assert torch.allclose(gemv.gemv_torch(x, w, gelu=True), want, atol=1e-6)
+    with pytest.raises(ValueError, match="one prologue"):
+        gemv.gemv(x, w, gelu=True, silu=True)

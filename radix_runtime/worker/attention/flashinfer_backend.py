@@ -240,12 +240,13 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
         ks, vs = self.k_scales[layer_id], self.v_scales[layer_id]
-        store_kv(k_cache, v_cache, self._out_cache_loc, k, v, ks, vs)
+        pdl = self.kernels.use_pdl()  # (a kernel launched after these waits for them as usual)
+        store_kv(k_cache, v_cache, self._out_cache_loc, k, v, ks, vs, pdl=pdl)
         window = self.window(layer_id)
         if self._small_decode is not None:
             return decode_attention(
                 q, k_cache, v_cache, *self._small_decode, self.scale, window=window,
-                k_scale=ks, v_scale=vs,
+                k_scale=ks, v_scale=vs, pdl=pdl,
             )  # fmt: skip
         if self._gather_pages is not None:  # an FP8 pool: this batch's pages in bf16
             k_cache = _gather(k_cache, self._gather_pages).to(q.dtype) * ks

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from radix_runtime.worker.kernels._triton import tl, triton
+from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
 
 
 @triton.jit
@@ -37,7 +37,9 @@ def _decode_split_kernel(
     D: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p0 = tl.load(kv_indptr_ptr + b)
     p1 = tl.load(kv_indptr_ptr + b + 1)
@@ -83,7 +85,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, D: tl.constexpr,
-                         SPLITS: tl.constexpr):  # fmt: skip
+                         SPLITS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # (request, query head)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
@@ -112,12 +115,16 @@ def decode_attention(
     window: int = 0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    pdl: bool = False,
+    block_t: int = 32,
+    warps: int = 4,
 ) -> torch.Tensor:
     """One new token per request over its paged KV. q [B, H, D]; k_cache/v_cache one layer's
     pool [pages, page_size, Hkv, D] (q's dtype, or FP8 read as value * k_scale / v_scale);
     kv_indptr [B + 1] / kv_indices (page ids) / last_page_len [B] int32 on the device, as
     FlashInfer takes them; `window` > 0: only each request's last `window` keys. Returns
-    [B, H, D] in q's dtype."""
+    [B, H, D] in q's dtype. `pdl`: launch both kernels dependently (kernels/_triton.py);
+    `block_t` / `warps`: the split kernel's keys per step and warps."""
     bsz, heads, dim = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = heads // hkv
@@ -130,9 +137,10 @@ def decode_attention(
     _decode_split_kernel[(bsz, hkv, splits)](
         q.contiguous(), k_cache, v_cache, kv_indptr, kv_indices, last_page_len, part_o, part_lse,
         scale * k_scale, v_scale, window, PAGE=page, HKV=hkv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=dim, SPLITS=splits, BLOCK_T=32, num_warps=4,
+        D=dim, SPLITS=splits, BLOCK_T=block_t, num_warps=warps, **pdl_launch(pdl),
     )  # fmt: skip
-    _decode_merge_kernel[(bsz * heads,)](part_o, part_lse, out, D=dim, SPLITS=splits, num_warps=4)
+    _decode_merge_kernel[(bsz * heads,)](part_o, part_lse, out, D=dim, SPLITS=splits, num_warps=4,
+                                         **pdl_launch(pdl))  # fmt: skip
     return out
 
 

@@ -24,12 +24,52 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from radix_runtime.worker.kernels._triton import tl, triton
+from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
 
-GEMV_PLAIN, GEMV_NORM, GEMV_SILU = 0, 1, 2
+GEMV_PLAIN, GEMV_NORM, GEMV_SILU, GEMV_GELU = 0, 1, 2, 3
 FP8_GEMV_ROWS_FACTOR = 2  # BLOCK_N of an FP8 weight's GEMV over the bf16 table's (bench/quant.py)
 
 GemvTable = Mapping[tuple[int, int, int, bool], tuple[int, int, int]]
+
+
+@triton.jit
+def _gemv_weights(rows, rk, row_ok, K, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weights at columns `rk` of the program's rows."""
+    if EVEN_K:
+        return tl.load(rows + rk[None, :], mask=row_ok[:, None], other=0.0,
+                       eviction_policy="evict_first")  # fmt: skip
+    return tl.load(rows + rk[None, :], mask=row_ok[:, None] & (rk < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")  # fmt: skip
+
+
+@triton.jit
+def _gemv_step(x_ptr, norm_ptr, w, rk, K, acc, sq, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += w * f(x) at columns `rk` (and the norm's sum of squares)."""
+    k_ok = rk < K  # (unused when EVEN_K)
+    if PROLOGUE >= 2:  # gated: act(x[:K]) * x[K:]
+        if EVEN_K:
+            g = tl.load(x_ptr + rk).to(tl.float32)
+            up = tl.load(x_ptr + K + rk).to(tl.float32)
+        else:
+            g = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + rk, mask=k_ok, other=0.0).to(tl.float32)
+        if PROLOGUE == 2:  # SiLU
+            x = g / (1.0 + tl.exp(-g)) * up
+        else:  # gelu(tanh): 0.5 g (1 + tanh(y)) = g * sigmoid(2 y), y = sqrt(2 / pi) (g + 0.044715 g^3)
+            x = g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g))) * up
+    else:
+        if EVEN_K:
+            x = tl.load(x_ptr + rk).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            sq += x * x
+            if EVEN_K:
+                x = x * tl.load(norm_ptr + rk).to(tl.float32)
+            else:
+                x = x * tl.load(norm_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+    acc += w.to(tl.float32) * x[None, :]
+    return acc, sq
 
 
 @triton.jit
@@ -43,46 +83,32 @@ def _gemv_fused_kernel(
     K,
     eps,
     SCALED: tl.constexpr,  # W is FP8 with one float32 scale per row (scale_ptr)
-    PROLOGUE: tl.constexpr,  # GEMV_PLAIN x | GEMV_NORM rmsnorm(x) * norm | GEMV_SILU silu(x[:K]) * x[K:]
+    PROLOGUE: tl.constexpr,  # GEMV_PLAIN x | GEMV_NORM rmsnorm(x) * norm | GEMV_SILU silu(x[:K]) * x[K:] | GEMV_GELU gelu_tanh(x[:K]) * x[K:]
     ADD: tl.constexpr,  # y += W . x (y is the residual stream) instead of y = W . x
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched dependently: the first weight block streams before the wait
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rn < N
     rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    if ADD:  # fetched first: its latency hides behind the weight stream, not after it
-        y0 = tl.load(y_ptr + rn, mask=row_ok, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(rows + rk[None, :], mask=row_ok[:, None], other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-            if PROLOGUE == 2:
-                g = tl.load(x_ptr + rk).to(tl.float32)
-                x = g / (1.0 + tl.exp(-g)) * tl.load(x_ptr + K + rk).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + rk).to(tl.float32)
-                if PROLOGUE == 1:
-                    sq += x * x
-                    x = x * tl.load(norm_ptr + rk).to(tl.float32)
-        else:
-            k_ok = rk < K
-            w = tl.load(rows + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-            if PROLOGUE == 2:
-                g = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + K + rk, mask=k_ok, other=0.0).to(tl.float32)
-                x = g / (1.0 + tl.exp(-g)) * up
-            else:
-                x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-                if PROLOGUE == 1:
-                    sq += x * x
-                    x = x * tl.load(norm_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+    rk0 = tl.arange(0, BLOCK_K)
+    if USE_PDL:  # weights are never written by a kernel: their loads need not wait
+        w0 = _gemv_weights(rows, rk0, row_ok, K, EVEN_K)
+        pdl_wait(USE_PDL)
+    if ADD:  # fetched first: its latency hides behind the weight stream, not after it
+        y0 = tl.load(y_ptr + rn, mask=row_ok, other=0.0).to(tl.float32)
+    k_start = 0
+    if USE_PDL:
+        acc, sq = _gemv_step(x_ptr, norm_ptr, w0, rk0, K, acc, sq, PROLOGUE, EVEN_K)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        rk = k0 + rk0
+        w = _gemv_weights(rows, rk, row_ok, K, EVEN_K)
+        acc, sq = _gemv_step(x_ptr, norm_ptr, w, rk, K, acc, sq, PROLOGUE, EVEN_K)
     y = tl.sum(acc, axis=1)
     if SCALED:
         y = y * tl.load(scale_ptr + rn, mask=row_ok, other=0.0)
@@ -94,7 +120,9 @@ def _gemv_fused_kernel(
 
 
 # (BLOCK_N, BLOCK_K, num_warps) per (rows, cols, prologue, add), measured on the H200 by
-# bench/gemv_sweep.py; keys not listed get GEMV_DEFAULT_CONFIG. The fused prologues re-read
+# bench/gemv_sweep.py; keys not listed get GEMV_DEFAULT_CONFIG (the Qwen3-8B and Gemma-3-12B
+# shapes: their sweep winners alone lost in the decode step with dependent launches,
+# docs/decisions.md). The fused prologues re-read
 # the input row in every program, so they want more rows per program than the plain product.
 GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
     # Llama-3.1-8B (docs/results/h200_gemv_sweep.json; us per product there, cuBLAS in brackets)
@@ -108,7 +136,8 @@ GEMV_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int]] = {
     (4096, 14336, GEMV_SILU, True): (8, 1024, 4),  # down of SiLU(gate) * up, into the residual 29.5
     (128256, 4096, GEMV_PLAIN, False): (4, 2048, 4),  # LM head 229.7 (239.2)
 }
-GEMV_DEFAULT_CONFIG = {GEMV_PLAIN: (4, 1024, 4), GEMV_NORM: (8, 512, 4), GEMV_SILU: (8, 1024, 4)}
+GEMV_DEFAULT_CONFIG = {GEMV_PLAIN: (4, 1024, 4), GEMV_NORM: (8, 512, 4), GEMV_SILU: (8, 1024, 4),
+                       GEMV_GELU: (8, 1024, 4)}  # fmt: skip
 # FP8 weights (W8A16 at batch 1), the one-token layer's cases of the 8B shape, measured on the
 # H200 by bench/quant.py's FP8 sweep (docs/results/h200_quant_gemv.json, us per product); other
 # keys take the bf16 table's config with FP8_GEMV_ROWS_FACTOR x its rows
@@ -143,26 +172,35 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu: bool = False,
+    gelu: bool = False,
     add_to: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
     w_scale: torch.Tensor | None = None,
     table: GemvTable | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One row: y = W . f(x), W [N, K] contiguous, where f(x) is x; rmsnorm(x) * norm_weight
-    (`norm_weight` given; x [1, K]); or silu(x[:, :K]) * x[:, K:] (`silu`; x [1, 2K]).
+    (`norm_weight` given; x [1, K]); silu(x[:, :K]) * x[:, K:] (`silu`; x [1, 2K]); or
+    gelu_tanh(x[:, :K]) * x[:, K:] (`gelu`; x [1, 2K]).
     With `add_to` ([1, N]) the product is added into it in place and it is returned.
     An FP8 W comes with `w_scale` (float32 [N], one per row): the weight stream is half of
     bf16's bytes, widened in registers; x stays in its dtype (W8A16 at batch 1).
     `config` (BLOCK_N, BLOCK_K, num_warps) overrides the lookup in `table` (by default the
-    H200's GEMV_CONFIGS)."""
+    H200's GEMV_CONFIGS). `pdl`: launch dependently (`_triton.pdl_supported()` must hold): the
+    kernel starts while the one before it finishes, its first weight block streaming before it
+    waits for that kernel's writes."""
     n, k = weight.shape
     if x.shape[0] != 1 or not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError("gemv takes one contiguous input row and a contiguous weight")
-    if x.shape[1] != (2 * k if silu else k):
+    gated = silu or gelu
+    if x.shape[1] != (2 * k if gated else k):
         raise ValueError(f"gemv: input of {x.shape[1]} columns for a weight of {k}")
-    if silu and norm_weight is not None:
-        raise ValueError("gemv: a norm and a SiLU prologue cannot be combined")
-    prologue = GEMV_SILU if silu else GEMV_NORM if norm_weight is not None else GEMV_PLAIN
+    if (silu and gelu) or (gated and norm_weight is not None):
+        raise ValueError("gemv: one prologue at a time (norm, SiLU or GELU)")
+    prologue = (
+        GEMV_SILU if silu else GEMV_GELU if gelu else GEMV_NORM if norm_weight is not None
+        else GEMV_PLAIN
+    )  # fmt: skip
     if add_to is None:
         y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     else:
@@ -195,6 +233,7 @@ def gemv(
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         num_warps=warps,
+        **pdl_launch(pdl),
     )
     return y
 
@@ -206,13 +245,14 @@ def gemv_torch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu: bool = False,
+    gelu: bool = False,
     add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference for `gemv`, in float32."""
     xf = x.float()
-    if silu:
+    if silu or gelu:
         gate, up = xf.chunk(2, dim=-1)
-        xf = F.silu(gate) * up
+        xf = (F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up
     elif norm_weight is not None:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     y = F.linear(xf, weight.float())

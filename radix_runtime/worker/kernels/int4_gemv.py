@@ -36,7 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from radix_runtime.worker.kernels._triton import tl, triton
+from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INT4_PLAIN, INT4_NORM, INT4_SILU = 0, 1, 2  # the prologues (as kernels/gemv.py's GEMV_*)
@@ -126,6 +126,7 @@ def _int4_gemv_kernel(
     EVEN: tl.constexpr,  # K // 8 a multiple of BLOCK_KW and N // 4 of BLOCK_Q
     PREFETCH: tl.constexpr,  # load the next block's weights before this block's arithmetic
     ASM: tl.constexpr,  # PTX inline assembly (not in Triton's CPU interpreter)
+    USE_PDL: tl.constexpr,  # launched dependently (with PREFETCH the first block loads before the wait)
 ):
     WG: tl.constexpr = GROUP // 8  # words per group
     m = tl.program_id(0).to(tl.int64)  # the input row (fastest: the weight rows stay in L2)
@@ -134,8 +135,6 @@ def _int4_gemv_kernel(
     t = tl.arange(0, 4)
     x_row = x_ptr + m * x_stride
     rows = quad[:, None] * 4 + t[None, :]  # [BLOCK_Q, 4]
-    if ADD:  # fetched first: its latency hides behind the weight stream
-        y0 = tl.load(y_ptr + m * y_stride + rows, mask=q_ok[:, None], other=0.0).to(tl.float32)
     # tiles [BLOCK_KW words, BLOCK_Q quads, 4 rows]: words first, so that the threads spread
     # along the words and each holds whole quads (and reuses its inputs 4 * BLOCK_Q times)
     acc = tl.zeros((BLOCK_KW, BLOCK_Q, 4), dtype=tl.float32)
@@ -145,6 +144,9 @@ def _int4_gemv_kernel(
     ac_base = ac_ptr + ((quad * groups)[None, :, None] * 8 + t[None, None, :])
     if PREFETCH:  # the first block's words and scales, before the loop
         words_n, a_n, c_n = _weight_block(w_base, ac_base, 0, kw_total, q_ok, WG, BLOCK_KW, EVEN)
+    pdl_wait(USE_PDL)  # (weights are never written by a kernel: only x and y wait)
+    if ADD:  # fetched first: its latency hides behind the weight stream
+        y0 = tl.load(y_ptr + m * y_stride + rows, mask=q_ok[:, None], other=0.0).to(tl.float32)
     for kw0 in range(0, kw_total, BLOCK_KW):
         w = kw0 + tl.arange(0, BLOCK_KW)
         w_ok = w < kw_total  # (the input's loads keep it: one compare per word)
@@ -296,6 +298,8 @@ def int4_gemv_rows(
     floats once for BLOCK_M (2 or 4) rows. `config` (BLOCK_M, BLOCK_Q, BLOCK_KW, num_warps)
     overrides `int4_rows_config(M)`."""
     k = qweight.shape[1] * 8
+    if x.shape[1] != k:
+        raise ValueError(f"int4_gemv_rows: input of {x.shape[1]} columns for a weight of {k}")
     if gemv_scales.shape[2:] != (2, 4):
         raise ValueError(f"int4_gemv_rows: gemv_scales {tuple(gemv_scales.shape)}")
     x, y = _operands("int4_gemv_rows", x, qweight, *gemv_scales.shape[:2], group_size, k)
@@ -354,13 +358,15 @@ def int4_gemv(
     eps: float = 1e-6,
     silu: bool = False,
     add_to: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (rows contiguous; a few rows: decode) -> x W^T [M, N] in x's dtype, W given in the
     layout above (`gemv_scales` from `int4_gemv_scales`). As kernels/gemv.py's `gemv`, the input
     can be rmsnorm(x) * norm_weight (`norm_weight`) or silu(x[:, :K]) * x[:, K:] (`silu`,
     x [M, 2K]), and with `add_to` ([M, N]) the product is added into it in place (returned).
     `config` (BLOCK_Q, BLOCK_KW, num_warps[, prefetch]) overrides INT4_GEMV_DEFAULT_CONFIG
-    (prefetch 1: each step loads the next step's weights before its own arithmetic)."""
+    (prefetch 1: each step loads the next step's weights before its own arithmetic). `pdl`:
+    launch dependently, as kernels/gemv.py's `gemv`."""
     if silu and norm_weight is not None:
         raise ValueError("int4_gemv: a norm and a SiLU prologue cannot be combined")
     k = qweight.shape[1] * 8
@@ -384,7 +390,7 @@ def int4_gemv(
         ADD=add_to is not None, BLOCK_Q=block_q, BLOCK_KW=block_kw,
         EVEN=(k // 8) % block_kw == 0 and (n // 4) % block_q == 0,
         PREFETCH=bool(prefetch and prefetch[0]), ASM=not _INTERPRET,
-        num_warps=warps,
+        num_warps=warps, **pdl_launch(pdl),
     )  # fmt: skip
     return y
 

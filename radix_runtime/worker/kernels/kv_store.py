@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from radix_runtime.worker.kernels._triton import tl, triton
+from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
 
 
 @triton.jit
@@ -22,8 +22,10 @@ def _store_kv_kernel(
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
     FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one program per token: K and V rows (kv_heads * head_dim each) to the token's location
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     loc = tl.load(loc_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -45,10 +47,12 @@ def store_kv(
     v: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    pdl: bool = False,
 ) -> None:
     """k_cache/v_cache: one layer's pool buffers (any shape whose rows are [kv_heads, head_dim],
     contiguous); loc [N] flat locations; k/v [N, kv_heads, head_dim] with each row contiguous
-    (v may be a strided view into the qkv projection). An FP8 pool stores x / scale."""
+    (v may be a strided view into the qkv projection). An FP8 pool stores x / scale.
+    `pdl`: launch dependently (kernels/_triton.py)."""
     n = k.shape[0]
     if n == 0:
         return
@@ -72,6 +76,7 @@ def store_kv(
         BLOCK=triton.next_power_of_2(row),
         FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
+        **pdl_launch(pdl),
     )
 
 
@@ -83,6 +88,7 @@ def store_kv_torch(
     v: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    pdl: bool = False,
 ) -> None:
     """The reference: two index_put_ writes into the flat [slots, kv_heads, head_dim] views."""
     flat = (-1, k.shape[1], k.shape[2])

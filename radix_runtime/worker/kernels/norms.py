@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from radix_runtime.worker.kernels._triton import tl, triton
+from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
 
 try:
     from flashinfer.norm import fused_add_rmsnorm as _fi_fused_add_rmsnorm
@@ -52,8 +52,17 @@ def gemma_rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
 
 @triton.jit
 def _gemma_norm_add_norm_kernel(
-    h_ptr, res_ptr, out_ptr, w_post_ptr, w_next_ptr, eps, HIDDEN, BLOCK: tl.constexpr
+    h_ptr,
+    res_ptr,
+    out_ptr,
+    w_post_ptr,
+    w_next_ptr,
+    eps,
+    HIDDEN,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < HIDDEN
@@ -77,9 +86,10 @@ def gemma_norm_add_norm(
     w_post: torch.Tensor,
     w_next: torch.Tensor,
     eps: float,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Gemma's sublayer exit and the next entry in one kernel: residual += gemma_norm(h, w_post)
-    (in place); returns gemma_norm(residual, w_next)."""
+    (in place); returns gemma_norm(residual, w_next). `pdl`: launch dependently."""
     if not (h.is_contiguous() and residual.is_contiguous()):
         return gemma_norm_add_norm_torch(h, residual, w_post, w_next, eps)
     rows, hidden = h.shape
@@ -87,7 +97,7 @@ def gemma_norm_add_norm(
     if rows:
         _gemma_norm_add_norm_kernel[(rows,)](
             h, residual, out, w_post, w_next, eps, hidden,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=8,
+            BLOCK=triton.next_power_of_2(hidden), num_warps=8, **pdl_launch(pdl),
         )  # fmt: skip
     return out
 

@@ -21,18 +21,40 @@ class FusedOps:
     rmsnorm = staticmethod(norms.rmsnorm)
     fused_add_rmsnorm = staticmethod(norms.fused_add_rmsnorm)
     gemma_rmsnorm = staticmethod(norms.gemma_rmsnorm)
-    gemma_norm_add_norm = staticmethod(norms.gemma_norm_add_norm)
     silu_and_mul = staticmethod(activation.silu_and_mul)
     gelu_tanh_and_mul = staticmethod(activation.gelu_tanh_and_mul)
-    rotary_qk = staticmethod(rope.rotary_qk)
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
         self.row_fusion = config.row_fusion
+        self.pdl = config.use_pdl()  # launch the Triton kernels dependently
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
         """`kernels.gemv.gemv` with this config's table."""
-        return gemv.gemv(x, weight, table=self.config.gemv_configs, **kw)
+        return gemv.gemv(x, weight, table=self.config.gemv_configs, pdl=self.pdl, **kw)
+
+    def rotary_qk(self, *args, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope.rotary_qk(*args, pdl=self.pdl, **kw)
+
+    def gemma_norm_add_norm(self, *args) -> torch.Tensor:
+        return norms.gemma_norm_add_norm(*args, pdl=self.pdl)
+
+    def gated_project(self, x: torch.Tensor, layer: torch.nn.Module, act: str) -> torch.Tensor:
+        """layer(act(x[:, :I]) * x[:, I:]) for act "silu" or "gelu_tanh": at one row of a plain
+        or FP8 layer without bias the activation is the GEMV's prologue, else its own kernel
+        before `project`."""
+        if (
+            self.config.triton_gemv
+            and x.shape[0] == 1
+            and x.is_contiguous()
+            and getattr(layer, "qweight", None) is None
+            and layer.bias is None
+            and layer.weight.is_contiguous()
+        ):
+            kw = {"silu": True} if act == "silu" else {"gelu": True}
+            return self.gemv(x, layer.weight, w_scale=getattr(layer, "weight_scale", None), **kw)
+        h = self.silu_and_mul(x) if act == "silu" else self.gelu_tanh_and_mul(x)
+        return self.project(h, layer)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -68,7 +90,7 @@ class FusedOps:
             prologue = INT4_SILU if silu else INT4_NORM if norm_weight is not None else INT4_PLAIN
             config = self._int4_config(qweight, prologue, add_to is not None)
             return int4_gemv.int4_gemv(
-                x, qweight, layer.gemv_scales, layer.group_size, config, **fused
+                x, qweight, layer.gemv_scales, layer.group_size, config, pdl=self.pdl, **fused
             )
         return self.gemv(x, layer.weight, w_scale=getattr(layer, "weight_scale", None), **fused)
 

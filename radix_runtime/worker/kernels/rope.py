@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from radix_runtime.worker.kernels._triton import tl, triton
+from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
 
 
 @triton.jit
@@ -30,8 +30,10 @@ def _rotary_qk_kernel(
     BLOCK_H: tl.constexpr,
     NORM: tl.constexpr,
     NORM_OFFSET: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one program per token: every q and k head of that token, each head as two halves
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)[None, :]
@@ -73,10 +75,12 @@ def rotary_qk(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     norm_offset: float = 0.0,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [N, (H + 2 Hkv) * D]; cos/sin [N, 1, D] (halves equal, as RotaryEmbedding gives them)
     -> rotated q [N, H, D] and k [N, Hkv, D], both new contiguous tensors. With `q_norm` and
-    `k_norm` ([D] weights) each head is RMS-normalized first, scaled by (norm_offset + w)."""
+    `k_norm` ([D] weights) each head is RMS-normalized first, scaled by (norm_offset + w).
+    `pdl`: launch dependently (kernels/_triton.py)."""
     n = qkv.shape[0]
     norm = q_norm is not None
     if head_dim & (head_dim - 1) or qkv.stride(1) != 1:
@@ -106,6 +110,7 @@ def rotary_qk(
         NORM=norm,
         NORM_OFFSET=norm_offset,
         num_warps=4,
+        **pdl_launch(pdl),
     )
     return q, k
 

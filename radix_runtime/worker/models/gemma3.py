@@ -135,7 +135,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         """The CUDA path: each sublayer's output norm, the residual add and the next input norm
         in one kernel (`kernels/norms.py`), q/k norms fused into the RoPE kernel,
-        gelu-and-mul in one kernel: 11 kernels a layer at batch 1."""
+        gelu-and-mul in one kernel (at one row: the down GEMV's prologue): 10 kernels a layer at
+        batch 1."""
         ops, c = self._ops, self.config
         eps = c.rms_norm_eps
         layers = self.model.layers
@@ -162,7 +163,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 layer.pre_feedforward_layernorm.weight, eps,
             )  # fmt: skip
             gate_up = ops.project(x, mlp.gate_up_proj)
-            down = ops.project(ops.gelu_tanh_and_mul(gate_up), mlp.down_proj)
+            down = ops.gated_project(gate_up, mlp.down_proj, "gelu_tanh")
             h = reduce_row_parallel(mlp.down_proj, down)
         return ops.gemma_norm_add_norm(
             h, residual, layers[-1].post_feedforward_layernorm.weight, self.model.norm.weight, eps
