@@ -5,6 +5,16 @@ import sys
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
+# The CPU decoder layers in one C++ call (csrc/cpu_decoder.cpp, worker/cpu_native.py): built
+# against the installed torch, so only where setup.py sees it (scripts/setup.sh installs without
+# build isolation for this; a build-isolated install skips it and the Python layers run).
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    build_ext = BuildExtension.with_options(use_ninja=False)  # noqa: F811 (it adds torch's flags)
+except ImportError:
+    CppExtension = None
+
 try:  # pyproject.toml's [build-system] provides it; without it the Python tree is used
     from pybind11.setup_helpers import Pybind11Extension
 except ImportError:
@@ -12,8 +22,9 @@ except ImportError:
 
 
 class OptionalBuildExt(build_ext):
-    """Builds the C++ radix tree (csrc/) when it can. A failed build only warns: the install
-    succeeds and `--radix-tree-impl auto` falls back to the Python tree."""
+    """Builds the C++ extensions (csrc/) when it can. A failed build only warns: the install
+    succeeds, `--radix-tree-impl auto` falls back to the Python tree and the CPU path to the
+    Python decoder layers."""
 
     failed = False
 
@@ -34,7 +45,7 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _warn(exc: Exception) -> None:
         print(
-            f"WARNING: the C++ radix tree was not built ({exc}); the Python tree will be used",
+            f"WARNING: a C++ extension was not built ({exc}); its Python twin is used",
             file=sys.stderr,
         )
 
@@ -53,6 +64,18 @@ if Pybind11Extension is not None:
     )
 else:
     print("WARNING: pybind11 is not installed; the C++ radix tree is not built", file=sys.stderr)
+if CppExtension is not None:
+    ext_modules.append(
+        CppExtension(
+            "radix_runtime.worker._cpu_decoder",
+            ["csrc/cpu_decoder.cpp"],
+            extra_compile_args=["-O3"],  # vectorizes the int4 zero correction's loops
+        )
+    )
+else:
+    print(
+        "WARNING: torch is not importable here; the C++ CPU decoder is not built", file=sys.stderr
+    )
 
 setup(
     name="radix_runtime",

@@ -24,6 +24,8 @@ class ServerArgs:
     cpu_weight_format: str = "auto"
     # intra-op threads of a CPU step of at most 2 tokens (batch-1/2 decode); 0: all of them
     cpu_small_step_threads: int = 1
+    # run the CPU path's decoder layers through the Python modules, not the C++ decoder
+    disable_cpu_native_decoder: bool = False
     # quantize an unquantized checkpoint at load: none | fp8 (W8A8) | int4 (RTN, accuracy only)
     quantization: str = "none"
     device: str = "auto"  # auto | cpu | cuda
@@ -314,6 +316,9 @@ _HELP = {
     "-2 decode step; larger steps use all of the worker's threads); 0: all of them. One thread "
     "skips the OpenMP hand-offs that cost more than a second thread gains on such tiny matmuls "
     "and leaves the other cores to the scheduler and HTTP processes (docs/cpu_weight_formats.md)",
+    "disable_cpu_native_decoder": "run the CPU path's decoder layers through the Python modules "
+    "instead of the C++ decoder (csrc/cpu_decoder.cpp: the same operations, bitwise the same "
+    "outputs, without the interpreter's per-operation overhead; docs/cpu_weight_formats.md)",
     "tool_call_parser": "how /v1/chat/completions finds tool calls in a reply: hermes "
     "(<tool_call>{...}</tool_call>, Qwen2.5/Hermes and templates without tools), llama3 (a JSON "
     "reply, Llama 3.1); auto picks from the chat template (docs/tool_calling.md)",

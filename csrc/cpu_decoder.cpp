@@ -1,0 +1,274 @@
+// The CPU forward of a Llama-family decoder stack in one call (radix_runtime/worker/cpu_native.py).
+//
+// The same ATen operations, in the same order and on the same dtypes, as the Python modules of
+// models/llama.py, layers/ and attention/torch_native.py run, so the outputs are bitwise the same;
+// what it removes is the Python interpreter and nn.Module dispatch around each of the ~60 small
+// operations of a layer, which dominate a batch-1 decode step of a small model on the CPU
+// (docs/decisions.md, "The CPU decoder step in C++").
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kInt4Group = 32;  // cpu_quant.INT4_GROUP
+// int4 steps of at most this many rows add the zero correction in one loop (`add_zero_correction`)
+constexpr int64_t kFusedCorrectionRows = 8;
+
+// y[r, n] += sum_g (sum of rows[r, group g]) * residual[g, n], in float32, rounded once to bf16:
+// cpu_quant.Int4Linear's `y.add_(group_sums @ zero_residual)` without its three ATen calls (a
+// bf16 -> float32 copy, a sum, a matmul) for the few rows of a decode step. Only the float32
+// summation order of the correction differs from the matmul's.
+void add_zero_correction(Tensor& y, const Tensor& rows, const Tensor& residual) {
+  const int64_t n_rows = rows.size(0), k = rows.size(1), groups = residual.size(0);
+  const int64_t n = residual.size(1);
+  const auto* x = rows.data_ptr<at::BFloat16>();
+  const float* res = residual.data_ptr<float>();
+  auto* out = y.data_ptr<at::BFloat16>();
+  std::vector<float> sums(groups), acc(n);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t j = 0; j < kInt4Group; ++j) s += static_cast<float>(x[r * k + g * kInt4Group + j]);
+      sums[g] = s;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = sums[g];
+      const float* row = res + g * n;
+      for (int64_t c = 0; c < n; ++c) acc[c] += s * row[c];
+    }
+    at::BFloat16* o = out + r * n;
+    for (int64_t c = 0; c < n; ++c) o[c] = static_cast<float>(o[c]) + acc[c];
+  }
+}
+
+enum class LinearKind : int64_t { Dense = 0, Int8 = 1, Int4 = 2 };
+
+// One projection in one of the CPU weight formats (cpu_quant.py): y = x W^T (+ b).
+struct Projection {
+  LinearKind kind;
+  Tensor weight;    // dense: [N, K]; int8: [N, K] int8; int4: the packed weight
+  Tensor scales;    // int8: [N] bf16; int4: scales_and_zeros [K/32, N, 2] bf16
+  Tensor residual;  // int4: the float32 zero correction [K/32, N]
+  Tensor bias;      // may be undefined
+  int64_t out_features;
+
+  Tensor operator()(const Tensor& x) const {
+    if (kind == LinearKind::Dense) {
+      return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+    }
+    // cpu_quant._rows: contiguous bf16 rows
+    Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kBFloat16).contiguous();
+    Tensor y;
+    if (kind == LinearKind::Int8) {
+      y = at::_weight_int8pack_mm(rows, weight, scales);
+    } else {
+      y = at::_weight_int4pack_mm_for_cpu(rows, weight, kInt4Group, scales);
+      if (rows.size(0) <= kFusedCorrectionRows && y.is_contiguous()) {
+        add_zero_correction(y, rows, residual);
+      } else {
+        Tensor group_sums =
+            at::sum(rows.view({rows.size(0), -1, kInt4Group}), {-1}, false, at::kFloat);
+        y.add_(at::mm(group_sums, residual));
+      }
+    }
+    if (bias.defined()) y = y + bias;
+    auto shape = x.sizes().vec();
+    shape.back() = out_features;
+    return y.view(shape);
+  }
+};
+
+struct Layer {
+  Tensor input_norm, post_norm;  // RMSNorm weights
+  Projection qkv, o, gate_up, down;
+};
+
+// Where a group of queries reads its keys: a slice [a, b) of the layer's pool or an index_select.
+struct KeySource {
+  int64_t a = -1, b = -1;  // a span of consecutive pool locations, or a < 0
+  Tensor locs;             // int64 pool locations (when there is no span)
+
+  Tensor gather(const Tensor& flat) const {
+    if (a >= 0) return flat.slice(0, a, b);
+    return flat.index_select(0, locs);
+  }
+};
+
+}  // namespace
+
+class CpuDecoder {
+ public:
+  CpuDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        eps_(eps),
+        scale_(scale) {}
+
+  // `projections`: qkv, o, gate_up, down, each (kind, weight, scales, residual, bias, out_features)
+  void add_layer(Tensor input_norm, Tensor post_norm,
+                 std::vector<std::tuple<int64_t, Tensor, std::optional<Tensor>,
+                                        std::optional<Tensor>, std::optional<Tensor>, int64_t>>
+                     projections) {
+    TORCH_CHECK(projections.size() == 4, "a layer has 4 projections");
+    std::vector<Projection> p;
+    for (auto& [kind, weight, scales, residual, bias, out_features] : projections) {
+      TORCH_CHECK(kind >= 0 && kind <= 2, "unknown projection kind ", kind);
+      p.push_back(Projection{static_cast<LinearKind>(kind), weight, scales.value_or(Tensor()),
+                             residual.value_or(Tensor()), bias.value_or(Tensor()), out_features});
+    }
+    layers_.push_back(Layer{input_norm, post_norm, p[0], p[1], p[2], p[3]});
+  }
+
+  void bind_pool(std::vector<Tensor> k_flat, std::vector<Tensor> v_flat) {
+    TORCH_CHECK(k_flat.size() == layers_.size() && v_flat.size() == layers_.size(),
+                "one K and one V pool view per layer");
+    k_flat_ = std::move(k_flat);
+    v_flat_ = std::move(v_flat);
+  }
+
+  // The decoder stack over a flat batch: h [N, hidden] (the embeddings), cos/sin [N, 1, D],
+  // out_cache_loc [N] (where the new K/V go). The attention plan (torch_native.py) is either a
+  // decode-only batch (`decode` and no prefill chunks: every row one query) or a list of prefill
+  // chunks plus, optionally, a decode group with the rows it owns. Returns the residual stream
+  // after the last layer (the caller applies the final norm).
+  Tensor forward(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& out_cache_loc,
+                 std::optional<std::tuple<std::optional<Tensor>, int64_t, int64_t,
+                                          std::optional<Tensor>, int64_t, int64_t,
+                                          std::optional<Tensor>>>
+                     decode,
+                 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t,
+                                        std::optional<Tensor>, std::optional<Tensor>>>
+                     prefills) {
+    // decode: (rows, span_a, span_b, kv_locs, batch, max_len, mask)
+    // prefill chunk: (start, end, span_a, span_b, kv_locs, mask)
+    Plan plan;
+    if (decode) {
+      auto& [rows, a, b, locs, batch, max_len, mask] = *decode;
+      plan.has_decode = true;
+      plan.decode_rows = rows.value_or(Tensor());
+      plan.decode_keys = KeySource{a, b, locs.value_or(Tensor())};
+      plan.decode_shape = {batch, max_len};
+      plan.decode_mask = mask.value_or(Tensor());
+    }
+    for (auto& [start, end, a, b, locs, mask] : prefills) {
+      Tensor m = mask.has_value() ? mask->unsqueeze(0).unsqueeze(0) : Tensor();
+      plan.chunks.push_back(Chunk{start, end, KeySource{a, b, locs.value_or(Tensor())}, m});
+    }
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      h = h + attention(i, l, rms_norm(h, l.input_norm), cos, sin, out_cache_loc, plan);
+      Tensor gate_up = l.gate_up(rms_norm(h, l.post_norm));
+      auto parts = gate_up.chunk(2, -1);
+      h = h + l.down(at::silu(parts[0]) * parts[1]);
+    }
+    return h;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Chunk {
+    int64_t start, end;
+    KeySource keys;
+    Tensor mask;  // [1, 1, n, L] bool, or undefined: causal
+  };
+  struct Plan {
+    bool has_decode = false;
+    Tensor decode_rows;  // undefined: every row (a decode-only batch)
+    KeySource decode_keys;
+    std::vector<int64_t> decode_shape;
+    Tensor decode_mask;  // [B, 1, 1, L] bool or undefined
+    std::vector<Chunk> chunks;
+  };
+
+  // layers/norms.py RMSNorm: weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)
+  Tensor rms_norm(const Tensor& x, const Tensor& weight) const {
+    Tensor f = x.to(at::kFloat);
+    Tensor n = f * at::rsqrt(f.pow(2).mean({-1}, true) + eps_);
+    return weight * n.to(x.scalar_type());
+  }
+
+  // layers/rotary.py apply_rope (rotate-half)
+  static Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+    int64_t half = x.size(-1) / 2;
+    Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+    return x * cos + rotated * sin;
+  }
+
+  // torch_native._sdpa without an FP8 pool: q [B, H, n, D], k/v [B, L, Hkv, D]
+  Tensor sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+              bool causal) const {
+    Tensor kt = k.transpose(1, 2).to(q.scalar_type());
+    Tensor vt = v.transpose(1, 2).to(q.scalar_type());
+    std::optional<Tensor> m = mask.defined() ? std::optional<Tensor>(mask) : std::nullopt;
+    return at::scaled_dot_product_attention(q, kt, vt, m, 0.0, !mask.defined() && causal, scale_,
+                                            num_heads_ != num_kv_heads_);
+  }
+
+  // models/llama.py LlamaAttention + torch_native.TorchNativeBackend.forward
+  Tensor attention(size_t i, const Layer& l, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                   const Tensor& out_cache_loc, const Plan& plan) const {
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    Tensor qkv = l.qkv(x);
+    Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads_ + num_kv_heads_, head_dim_});
+    auto qk_split = rope(qk, cos, sin).split({num_heads_, num_kv_heads_}, 1);
+    const Tensor& q = qk_split[0];
+    const Tensor& k = qk_split[1];
+    Tensor v = qkv.slice(1, q_size + kv_size).view({-1, num_kv_heads_, head_dim_});
+    const Tensor& k_all = k_flat_[i];
+    const Tensor& v_all = v_flat_[i];
+    // KVPool.store
+    k_all.index_put_({out_cache_loc}, k.to(k_all.scalar_type()));
+    v_all.index_put_({out_cache_loc}, v.to(v_all.scalar_type()));
+    Tensor out;
+    if (plan.has_decode && !plan.decode_rows.defined()) {
+      out = sdpa(q.unsqueeze(2), gather_decode(plan, k_all), gather_decode(plan, v_all),
+                 plan.decode_mask, false)
+                .squeeze(2);
+    } else {
+      out = at::empty_like(q);
+      if (plan.has_decode) {
+        const Tensor& rows = plan.decode_rows;
+        out.index_put_({rows}, sdpa(q.index({rows}).unsqueeze(2), gather_decode(plan, k_all),
+                                    gather_decode(plan, v_all), plan.decode_mask, false)
+                                   .squeeze(2));
+      }
+      for (const Chunk& c : plan.chunks) {
+        Tensor q_c = q.slice(0, c.start, c.end).transpose(0, 1).unsqueeze(0);
+        Tensor k_c = c.keys.gather(k_all).unsqueeze(0), v_c = c.keys.gather(v_all).unsqueeze(0);
+        out.slice(0, c.start, c.end).copy_(sdpa(q_c, k_c, v_c, c.mask, true)[0].transpose(0, 1));
+      }
+    }
+    return l.o(out.reshape({-1, q_size}));
+  }
+
+  static Tensor gather_decode(const Plan& plan, const Tensor& flat) {
+    const KeySource& s = plan.decode_keys;
+    if (s.a >= 0) return flat.slice(0, s.a, s.b).unsqueeze(0);
+    return flat.index_select(0, s.locs)
+        .view({plan.decode_shape[0], plan.decode_shape[1], flat.size(1), flat.size(2)});
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  std::vector<Layer> layers_;
+  std::vector<Tensor> k_flat_, v_flat_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "The CPU decoder stack of a Llama-family model in one call (worker/cpu_native.py)";
+  py::class_<CpuDecoder>(m, "CpuDecoder")
+      .def(py::init<int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &CpuDecoder::add_layer)
+      .def("bind_pool", &CpuDecoder::bind_pool)
+      .def("forward", &CpuDecoder::forward, py::call_guard<py::gil_scoped_release>())
+      .def("num_layers", &CpuDecoder::num_layers);
+}

@@ -1,0 +1,117 @@
+"""The C++ CPU decoder (csrc/cpu_decoder.cpp, worker/cpu_native.py): bitwise the outputs of the
+Python layers in every CPU weight format and attention plan (pool view or gather, cached prefix,
+decode and prefill in one batch), and the Python layers wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_support import PROMPT, Driver, Seq, save_hf, tiny_hf_model
+
+from radix_runtime.config import ServerArgs
+from radix_runtime.worker import cpu_native
+from radix_runtime.worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.load_extension() is None,
+    reason="the _cpu_decoder extension is not built (python setup.py build_ext --inplace)",
+)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    return {
+        "llama": save_hf(tiny_hf_model("llama"), root / "llama"),
+        "qwen2": save_hf(tiny_hf_model("qwen2", bias_std=0.3), root / "qwen2"),  # q/k/v biases
+        "mistral": save_hf(tiny_hf_model("mistral", sliding_window=8), root / "mistral"),
+        "qwen3": save_hf(tiny_hf_model("qwen3"), root / "qwen3"),
+    }
+
+
+def runner(folder: str, **flags) -> ModelRunner:
+    flags = {"page_size": 4, "max_total_tokens": 2048, "max_running_requests": 5, **flags}
+    return ModelRunner(ServerArgs(model=folder, device="cpu", **flags))
+
+
+def drive(driver: Driver) -> list[list[list[torch.Tensor | None]]]:
+    """Prefill of two requests, a third request on the first one's cached prefix (its keys
+    gathered) while both decode (a mixed batch), decode-only steps of three requests (gathered)
+    and of one (a view of the pool), a request on scattered pages. Per step, per runner, each
+    request's logits."""
+    a, b, c = Seq(0), Seq(1), Seq(2)
+    steps = [
+        driver.step([driver.req(a, PROMPT[:21]), driver.req(b, PROMPT[5:30])]),
+    ]
+    driver.share_prefix(c, a, 20)
+    steps.append(
+        driver.step([driver.req(a, [7]), driver.req(c, PROMPT[20:33]), driver.req(b, [9])])
+    )
+    for i in range(3):
+        steps.append(driver.step([driver.req(s, [11 + i]) for s in (a, b, c)]))
+    lone = Seq(3)
+    steps.append(driver.step([driver.req(lone, PROMPT[:9])]))
+    for i in range(3):
+        steps.append(driver.step([driver.req(lone, [20 + i])]))
+    # keys on every other page: a prefill chunk and a lone decode that gather them
+    scattered = Seq(4, pages=[300 + 2 * i for i in range(23)])
+    steps.append(driver.step([driver.req(scattered, PROMPT * 2)]))
+    steps.append(driver.step([driver.req(scattered, [5])]))
+    return [[logits for _, logits in per_runner] for per_runner in steps]
+
+
+@pytest.mark.parametrize(
+    "arch,fmt",
+    [
+        ("llama", "float32"),
+        ("llama", "bfloat16"),
+        ("llama", "int8"),
+        ("llama", "int4"),
+        ("qwen2", "float32"),
+        ("qwen2", "int4"),
+    ],
+)
+def test_native_decoder_is_bitwise_the_python_layers(folders, arch, fmt):
+    native = runner(folders[arch], cpu_weight_format=fmt)
+    python = runner(folders[arch], cpu_weight_format=fmt, disable_cpu_native_decoder=True)
+    assert native.model.cpu_decoder is not None and python.model.cpu_decoder is None
+    calls = 0
+    forward = native.model.cpu_decoder.forward
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return forward(*args)
+
+    native.model.cpu_decoder.forward = counted
+    steps = drive(Driver([native, python]))
+    assert calls == len(steps)  # every step ran the C++ layers
+    for ours, theirs in steps:
+        assert len(ours) == len(theirs)
+        for x, y in zip(ours, theirs):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "arch,flags",
+    [
+        ("mistral", {}),  # a sliding window: the backend plans per window
+        ("qwen3", {}),  # q/k norms: layers of its own
+        ("llama", {"kv_cache_dtype": "fp8_e4m3"}),
+        ("llama", {"disable_cpu_native_decoder": True}),
+    ],
+)
+def test_python_layers_run_where_the_native_decoder_does_not_apply(folders, arch, flags):
+    r = runner(folders[arch], **flags)
+    assert r.model.cpu_decoder is None
+    reference = runner(folders[arch], **flags)  # the same model again: the outputs are defined
+    for ours, theirs in drive(Driver([r, reference])):
+        assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+
+
+def test_a_decoder_built_for_another_pool_is_not_used(folders):
+    r = runner(folders["llama"])
+    other = runner(folders["llama"])
+    assert not r.model.cpu_decoder.serves(r.attn, other.kv_pool)
+    assert not r.model.cpu_decoder.serves(other.attn, r.kv_pool)
+    assert r.model.cpu_decoder.serves(r.attn, r.kv_pool)
