@@ -1,20 +1,21 @@
 """Python's cyclic garbage collector in the server's processes.
 
-A full (generation 2) collection walks every tracked object of the process. The worker imports
-torch and the tokenizer process transformers: ~200k objects from the imports alone, ~0.1 s per
-full collection on a server CPU. Such a collection runs whenever enough objects have survived two
-younger collections, i.e. now and then in the middle of a step loop, and every decoder's next
-token waits for it: it is what sets a loaded server's ITL p99 (docs/serving_roofline.md).
+A full (generation 2) collection walks every tracked object of the process, and runs whenever
+enough objects have survived two younger collections, i.e. now and then in the middle of the
+step loop; every decoder's next token waits for it. The worker's imports (torch, FlashInfer, the
+model) leave ~300K objects and the tokenizer process's (transformers, FastAPI) ~75K: ~0.1 s a
+full collection walking them.
 
-`freeze_after_startup()` collects once and then moves every object alive at that point (modules,
-the model, the tokenizer's vocabulary, the CUDA graphs' Python side) into the permanent
-generation, which collections never scan again: a full collection then walks only what the
-serving itself keeps alive. The server calls it in each process once that process is ready
-(`--disable-gc-freeze` leaves the collector as Python sets it up).
+`freeze_after_startup()` collects once and then moves every object alive at that point into
+the permanent generation, which collections never walk again (they are still freed by
+reference counting): a full collection then walks only what serving keeps alive. The server
+calls it in each process once that process is ready (`--disable-gc-freeze` leaves the collector
+as Python sets it up). What still pauses a loaded server is the tokenizer process's full
+collections over the requests' own state (docs/serving_roofline.md, "What sets ITL p99").
 
 `GcWatch` times every collection of its process (gc.callbacks): how many, how many full ones,
-their total and longest pause, and how many paused for at least LONG_PAUSE_S (each logged as a
-warning). `/get_server_info` reports them per process (`gc`).
+their total and longest pause, and how many paused for at least LONG_PAUSE_S (each logged at
+INFO). `/get_server_info` reports them per process (`gc`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class GcWatch:
         self.max_pause_s = max(self.max_pause_s, took)
         if took >= LONG_PAUSE_S:
             self.long_pauses += 1
-            logger.warning(
+            logger.info(
                 "%s: a generation-%d garbage collection paused the process %.1f ms",
                 self.role,
                 info.get("generation", -1),
