@@ -20,7 +20,10 @@ class GenerateInput(msgspec.Struct, kw_only=True):
     """One generation, fully validated and tokenized, handed to ``TokenizerManager.generate``."""
 
     rid: str
-    input_ids: list[int]
+    # a tuple: Python's collector stops tracking a tuple of ints, so the prompts of the requests
+    # a server holds cost its full collections nothing (a list is walked element by element:
+    # docs/serving_roofline.md, "What sets ITL p99")
+    input_ids: tuple[int, ...]
     sampling: SamplingParams
     stop: list[str] = []  # stop strings: the manager trims them from the text it returns
     stream: bool = False
@@ -87,7 +90,7 @@ class ChoiceState:
         "host_cached_tokens",
     )
 
-    def __init__(self, index: int, rid: str, input_ids: list[int]) -> None:
+    def __init__(self, index: int, rid: str, input_ids: tuple[int, ...]) -> None:
         self.index = index
         self.rid = rid
         self.input_ids = input_ids

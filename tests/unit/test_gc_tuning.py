@@ -116,3 +116,21 @@ def test_the_flag():
     add_server_args(parser)
     assert args_from_namespace(parser.parse_args([])).disable_gc_freeze is False
     assert args_from_namespace(parser.parse_args(["--disable-gc-freeze"])).disable_gc_freeze
+
+
+def test_a_requests_prompt_ids_are_not_walked_by_the_collector():
+    """The front holds every request's prompt as a tuple of ints, which the collector stops
+    tracking; a list would be walked element by element by every full collection."""
+    from http_support import served
+
+    with served() as s:
+        r = s.client.post(
+            "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert r.status_code == 200
+        r = s.client.post("/v1/completions", json={"model": "fake-model", "prompt": "ab"})
+        assert r.status_code == 200
+        prompts = [inp.input_ids for inp in s.manager.inputs]
+    assert prompts[0] == (5, 6, 7) and len(prompts) == 2
+    gc.collect()
+    assert all(type(p) is tuple and not gc.is_tracked(p) for p in prompts)
