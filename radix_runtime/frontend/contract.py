@@ -9,6 +9,7 @@ Nothing here knows HTTP, OpenAI or the scheduler's wire format.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import msgspec
@@ -95,7 +96,8 @@ class ChoiceState:
         self.rid = rid
         self.input_ids = input_ids
         self.text: list[str] = []
-        self.ids: list[int] = []
+        # an array, not a list: the collector does not walk its elements (see input_ids)
+        self.ids = array("q")
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.prompt_logprobs: list[float] | None = None
