@@ -577,17 +577,14 @@ def targets_from_args(args: argparse.Namespace) -> list[Target]:
 @contextlib.contextmanager
 def open_target(target: Target, args: argparse.Namespace) -> Iterator[str]:
     """The target's base URL, launching (and finally stopping) a server if it has none."""
-    if target.url is not None:
-        yield target.url
-        return
-    with LaunchedServer(args.model, target.flags, timeout=args.launch_timeout) as server:
-        yield server.url
+    with serve_with_pid(target, args) as (url, _):
+        yield url
 
 
 @contextlib.contextmanager
 def serve_with_pid(target: Target, args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
-    """(url, pid): open_target's URL and the launched server's pid (None for a server given by
-    URL), for role_cpu_s."""
+    """(url, pid): the target's base URL, launching (and finally stopping) a server if it has
+    none, and the launched server's pid (None for a server given by URL), for role_cpu_s."""
     if target.url is not None:
         yield target.url, None
         return
