@@ -112,7 +112,7 @@ def ready(args, role: str) -> GcWatch:
     """A server process is ready to serve: watch its collections and, unless
     --disable-gc-freeze, freeze what startup left alive."""
     frozen = 0
-    if not getattr(args, "disable_gc_freeze", False):
+    if not args.disable_gc_freeze:
         frozen = freeze_after_startup(role)
     watch = install(role)  # after the freeze: its own collection is startup's, not serving's
     watch.frozen_objects = frozen
