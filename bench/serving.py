@@ -371,9 +371,8 @@ def run(opts: argparse.Namespace) -> dict:
                     row["server_cpu_busy"] = {
                         role: (cpu_after[role] - cpu_before[role]) / duration for role in cpu_after
                     }
-                if (
-                    probe is not None and "max_total_tokens" in after
-                ):  # not behind a router (--dp): its own numbers
+                # (max_total_tokens: not behind a router (--dp), so the server's own numbers)
+                if probe is not None and "max_total_tokens" in after:
                     row.update(roofline_summary(pairs, probe, before, after, row["output_tok_s"]))
                 sweep.append(row)
             sweeps[target.label] = sweep
