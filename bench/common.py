@@ -577,11 +577,48 @@ def targets_from_args(args: argparse.Namespace) -> list[Target]:
 @contextlib.contextmanager
 def open_target(target: Target, args: argparse.Namespace) -> Iterator[str]:
     """The target's base URL, launching (and finally stopping) a server if it has none."""
+    with serve_with_pid(target, args) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serve_with_pid(target: Target, args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
+    """(url, pid): the target's base URL, launching (and finally stopping) a server if it has
+    none, and the launched server's pid (None for a server given by URL), for role_cpu_s."""
     if target.url is not None:
-        yield target.url
+        yield target.url, None
         return
     with LaunchedServer(args.model, target.flags, timeout=args.launch_timeout) as server:
-        yield server.url
+        yield server.url, server.proc.pid
+
+
+ROLES = ("tokenizer", "scheduler", "worker")
+
+
+def role_cpu_s(pid: int | None) -> dict[str, float] | None:
+    """CPU seconds (user + system, all threads) each process of the server at `pid` has used
+    so far, by role (the processes name themselves radix_runtime::ROLE); None without a pid,
+    without psutil, or when no process carries a role title."""
+    if pid is None:
+        return None
+    try:
+        import psutil
+    except ImportError:  # a machine without it (the H200 kit): no CPU split
+        return None
+    root = psutil.Process(pid)
+    out = dict.fromkeys(ROLES, 0.0)
+    found = False
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            title = " ".join(proc.cmdline())
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        for role in ROLES:
+            if f"radix_runtime::{role}" in title:
+                out[role] += times.user + times.system
+                found = True
+    return out if found else None  # no process titled by role (no setproctitle there)
 
 
 def replica_split(url: str, api_key: str | None) -> list[dict] | None:

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import psutil
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,37 +36,6 @@ from bench import common
 from bench import multi_turn_chat as mtc
 
 ARMS = ("metrics_on", "metrics_off")
-ROLES = ("tokenizer", "scheduler", "worker")
-
-
-def role_cpu_s(pid: int | None) -> dict[str, float] | None:
-    """CPU seconds (user + system, all threads) each process of the server at `pid` has used
-    so far, by role (the processes name themselves radix_runtime::ROLE); None without a pid."""
-    if pid is None:
-        return None
-    root = psutil.Process(pid)
-    out = dict.fromkeys(ROLES, 0.0)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            title = " ".join(proc.cmdline())
-            times = proc.cpu_times()
-        except psutil.Error:
-            continue
-        for role in ROLES:
-            if f"radix_runtime::{role}" in title:
-                out[role] += times.user + times.system
-    return out
-
-
-@contextlib.contextmanager
-def serve(target: common.Target, opts):
-    """(url, pid): the target's URL, launching (and finally stopping) a server if it has none;
-    pid None for a server given by URL."""
-    if target.url is not None:
-        yield target.url, None
-        return
-    with common.LaunchedServer(opts.model, target.flags, timeout=opts.launch_timeout) as server:
-        yield server.url, server.proc.pid
 
 
 async def _scrape_while(url: str, api_key: str | None, interval: float, done: asyncio.Event):
@@ -124,7 +92,7 @@ def run(opts) -> dict:
     with contextlib.ExitStack() as stack:
         urls, pids = {}, {}
         for arm in ARMS[::-1] if opts.launch_off_first else ARMS:
-            urls[arm], pids[arm] = stack.enter_context(serve(targets[arm], opts))
+            urls[arm], pids[arm] = stack.enter_context(common.serve_with_pid(targets[arm], opts))
         infos = {arm: common.prepare_server(u, opts.api_key) for arm, u in urls.items()}
         if infos["metrics_off"].get("disable_metrics") is not True:
             raise SystemExit("the metrics_off server does not run with --disable-metrics")
@@ -153,11 +121,11 @@ def run(opts) -> dict:
                 url = urls[arm]
                 if not common.flush_cache(url, opts.api_key):
                     raise SystemExit(f"{url} refused /flush_cache")
-                cpu0 = role_cpu_s(pids[arm])
+                cpu0 = common.role_cpu_s(pids[arm])
                 turns, duration, lag, (scrapes, failed) = common.run_async(
                     _arm(url, trace, opts, f"{arm} #{rep}", replay, arm == "metrics_on")
                 )
-                cpu1 = role_cpu_s(pids[arm])
+                cpu1 = common.role_cpu_s(pids[arm])
                 if replay is None:
                     replay = {
                         (t.client, t.round): t.answer for t in turns if t.result.error is None
@@ -166,7 +134,7 @@ def run(opts) -> dict:
                 sec.pop("per_round")
                 sec.update(scrapes=scrapes, scrape_failures=failed)
                 if cpu0 is not None:
-                    sec["cpu_s"] = {r: cpu1[r] - cpu0[r] for r in ROLES}
+                    sec["cpu_s"] = {r: cpu1[r] - cpu0[r] for r in common.ROLES}
                     front = sec["cpu_s"]["tokenizer"] + sec["cpu_s"]["scheduler"]
                     sec["front_cpu_ms_per_output_token"] = (
                         1e3 * front / max(sec["output_tokens"], 1)

@@ -57,8 +57,9 @@
 #   tp         (2+ GPUs: the nvidia-h200-x2 kind) tests/gpu/test_tensor_parallel_gpu.py, then
 #              bench/tensor_parallel.py: Llama-3.1-8B shape, --tp 2 vs --tp 1 decode tok/s at
 #              batch 1 and 64 -> $OUT/gpu_tests_tp.txt, $OUT/h200x2_tensor_parallel.json
-#   serving_roofline  issue 21's measurements, about 6 minutes: roofline_worker, then
-#                    roofline_serve:default, roofline_serve:interleave:--max-consecutive-prefill-steps,1
+#   serving_roofline  issue 21's measurements, about 7 minutes: roofline_worker, then
+#                    roofline_serve:default, roofline_serve:no_gc_freeze:--disable-gc-freeze,
+#                    roofline_serve:interleave:--max-consecutive-prefill-steps,1
 #                    and roofline_serve:page16:--page-size,16
 #   roofline_worker  bench/gpu_worker.py: decode steps of 256 and 512 requests at 1,536 tokens of
 #                    context against their bandwidth roofline, graph vs eager, host and GPU time by
@@ -66,8 +67,8 @@
 #                    -> $OUT/h200_gpu_worker_large_decode.json, h200_gpu_worker_large_decode_p16.json
 #   roofline_serve:NAME:FLAGS  bench/serving.py, 512 random prompts x 1000 tokens in / 1000 out, all
 #                    at once, with the comma-separated server flags FLAGS: output tok/s against the
-#                    workload's roofline (ceilings measured in the run), ITL p99 / p50
-#                    -> $OUT/h200_serving_roofline_NAME.json
+#                    workload's roofline (ceilings measured in the run), ITL p99 / p50, each
+#                    server process's garbage collections -> $OUT/h200_serving_roofline_NAME.json
 # The multi-turn stages keep the launched servers' logs in $OUT/logs_<name>/.
 # A stage given twice writes its repeat beside the first (name_<time>).
 # e.g.  bash bench/run_h200.sh tests kernels worker
@@ -89,6 +90,7 @@ stages=()
 for stage in "$@"; do
     if [ "$stage" = serving_roofline ]; then
         stages+=(roofline_worker roofline_serve:default
+                 roofline_serve:no_gc_freeze:--disable-gc-freeze
                  roofline_serve:interleave:--max-consecutive-prefill-steps,1
                  roofline_serve:page16:--page-size,16)
     else

@@ -302,6 +302,22 @@ def roofline_summary(
     }
 
 
+def gc_during(before: dict, after: dict) -> dict:
+    """Each server process's garbage collections during the run (/get_server_info `gc`,
+    before and after it): full and long (>= 20 ms) collections, their total pause, and the
+    longest pause since the server started."""
+    out = {}
+    for role, now in after["gc"].items():
+        was = (before.get("gc") or {}).get(role) or {}
+        out[role] = {
+            k: now[k] - was.get(k, 0) for k in ("collections", "full_collections", "long_pauses")
+        }
+        out[role]["pause_s"] = now["pause_s"] - was.get("pause_s", 0.0)
+        out[role]["max_pause_s_since_start"] = now["max_pause_s"]
+        out[role]["frozen_objects"] = now["frozen_objects"]
+    return out
+
+
 def parse_rates(text: str) -> list[float]:
     rates = [math.inf if r.strip() == "inf" else float(r) for r in text.split(",") if r.strip()]
     if not rates or any(r <= 0 for r in rates):
@@ -320,7 +336,7 @@ def run(opts: argparse.Namespace) -> dict:
     probe = None if opts.no_roofline else probe_ceilings(opts)
     config["ceilings"] = probe
     for target in common.targets_from_args(opts):
-        with common.open_target(target, opts) as url:
+        with common.serve_with_pid(target, opts) as (url, pid):
             info = common.prepare_server(url, opts.api_key)
             if requests is None:
                 token_range = common.safe_token_range(info["vocab_size"])
@@ -340,12 +356,23 @@ def run(opts: argparse.Namespace) -> dict:
                     print(f"warning: {url} refused /flush_cache", file=sys.stderr)
                 label = f"{target.label} rate={rate:g}"
                 before = common.get_server_info(url, opts.api_key)
+                cpu_before = common.role_cpu_s(pid)
                 pairs, duration = run_rate_procs(url, requests, rate, opts, label)
+                cpu_after = common.role_cpu_s(pid)
                 row = {"request_rate": "inf" if math.isinf(rate) else rate}
                 row.update(rate_summary(pairs, duration, page_size))
                 row["itl_p99_over_p50"] = common.ratio(row["itl_p99_s"], row["itl_p50_s"])
-                after = common.get_server_info(url, opts.api_key) if probe is not None else {}
-                if "max_total_tokens" in after:  # not behind a router (--dp): its own numbers
+                after = common.get_server_info(url, opts.api_key)
+                if "gc" in after:
+                    row["gc"] = gc_during(before, after)
+                if cpu_before is not None and cpu_after is not None and duration > 0:
+                    # each launched server process's CPU time during the run per second of it
+                    # (1.0 = one core busy all along: the tokenizer's event loop saturated)
+                    row["server_cpu_busy"] = {
+                        role: (cpu_after[role] - cpu_before[role]) / duration for role in cpu_after
+                    }
+                # (max_total_tokens: not behind a router (--dp), so the server's own numbers)
+                if probe is not None and "max_total_tokens" in after:
                     row.update(roofline_summary(pairs, probe, before, after, row["output_tok_s"]))
                 sweep.append(row)
             sweeps[target.label] = sweep
@@ -429,6 +456,16 @@ def print_roofline(result: dict) -> None:
                     f"tok/s)"
                 )
             print(f"{name}: itl_p99_over_p50 {common.fmt(row['itl_p99_over_p50'])}  (goal <= 3)")
+            if row.get("gc"):
+                parts = [
+                    f"{role} {g['full_collections']} full, {g['long_pauses']} >= 20 ms "
+                    f"(max {g['max_pause_s_since_start'] * 1e3:.1f} ms)"
+                    for role, g in row["gc"].items()
+                ]
+                print(f"{name}: gc during the run: " + "; ".join(parts))
+            if row.get("server_cpu_busy"):
+                busy = ", ".join(f"{k} {v:.2f}" for k, v in row["server_cpu_busy"].items())
+                print(f"{name}: server processes' CPU time per second of the run: {busy}")
 
 
 def plot(result: dict, path: str) -> None:

@@ -206,6 +206,17 @@ class GrammarStats(msgspec.Struct, frozen=True):
     compile_max_s: float = 0.0
 
 
+class GcStats(msgspec.Struct, frozen=True):
+    """One process's garbage collections since it started serving (utils/gc_tuning.py)."""
+
+    collections: int = 0
+    full_collections: int = 0  # generation 2
+    pause_s: float = 0.0  # total time in collections
+    max_pause_s: float = 0.0
+    long_pauses: int = 0  # collections of at least utils.gc_tuning.LONG_PAUSE_S
+    frozen_objects: int = 0  # objects moved to the permanent generation (freeze_after_startup)
+
+
 class ServerInfo(_Msg):
     cache: CacheStats
     running_requests: int
@@ -222,6 +233,7 @@ class ServerInfo(_Msg):
     integrity_checks: int = 0
     kv_cache_dtype: str = ""  # the KV pool's element type (fp8_e4m3 holds twice bf16's tokens)
     quantization: str = "none"  # the weights' format
+    gc: dict[str, GcStats] = {}  # per process: scheduler, worker (the tokenizer adds its own)
 
 
 class MetricsReq(_Msg):
@@ -426,6 +438,8 @@ class ForwardResult(_Msg):
     # how long this step's collection waited behind the launch of the step after it (the overlap
     # schedule launches N+1 before collecting N): a result the device had ready sat this long
     held_s: float = 0.0
+    # the worker's collections so far, when a full or long one happened since its last report
+    gc: GcStats | None = None
 
 
 class CompileGrammar(_Msg):

@@ -87,11 +87,13 @@ class InputBuilder:
             )
         return tokenizer
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         tokenizer = self.tokenizer(param)
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_prompt_ids(self, messages: list[dict], tools: ToolPlan | None = None) -> list[int]:
+    def chat_prompt_ids(
+        self, messages: list[dict], tools: ToolPlan | None = None
+    ) -> tuple[int, ...]:
         tokenizer = self.tokenizer("messages")
         template = getattr(tokenizer, "chat_template", None) or CHATML_TEMPLATE
         try:
@@ -123,9 +125,9 @@ class InputBuilder:
             return ""
         return tokenizer.decode(prompt, skip_special_tokens=False)
 
-    def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int], param: str) -> tuple[int, ...]:
         if isinstance(prompt, list):
-            return prompt
+            return tuple(prompt)  # GenerateInput.input_ids: a tuple, see there
         ids = self.encode(prompt, param)
         if not ids:
             raise ApiError("the prompt is empty after tokenization", param=param)
@@ -355,9 +357,9 @@ class InputBuilder:
     def health_check_input(self) -> GenerateInput:
         """One greedy token through the whole pipeline (SGLang's /health_generate)."""
         tokenizer = self.manager.tokenizer
-        ids = list(tokenizer.encode("Hi", add_special_tokens=False)) if tokenizer else []
+        ids = tuple(tokenizer.encode("Hi", add_special_tokens=False)) if tokenizer else ()
         return GenerateInput(
             rid=new_id("health"),
-            input_ids=ids or [1],
+            input_ids=ids or (1,),
             sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
         )

@@ -16,6 +16,7 @@ from radix_runtime import kv_events
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
 from radix_runtime.scheduler.stats import cache_tree, gauges
+from radix_runtime.utils import gc_tuning
 from radix_runtime.utils.procs import (
     configure_logging,
     endpoint,
@@ -92,6 +93,8 @@ class SchedulerProcess:
                 self.ctx, zmq.ROUTER, args.kv_events_replay_endpoint, bind=True
             )
         self._last_result_at = 0.0  # when the latest step result came back (for step_time)
+        self.gc: gc_tuning.GcWatch | None = None  # its collections, once started
+        self.worker_gc = m.GcStats()  # the worker's, as its latest report left them
         # --hicache-prefetch arrival: requests are read while a step runs too (`read_early`);
         # the other messages read then wait here, in order, for the loop's next read
         self.reads_early = False
@@ -133,6 +136,7 @@ class SchedulerProcess:
             "off" if self.args.disable_radix_cache else "on",
             self.scheduler.tree_impl,
         )
+        self.gc = gc_tuning.ready(self.args, "scheduler")
 
     # -- messaging -------------------------------------------------------------------------
 
@@ -173,7 +177,10 @@ class SchedulerProcess:
         elif isinstance(msg, m.AbortReq):
             sched.abort(msg.rid)
         elif isinstance(msg, m.ServerInfoReq):
-            self.send_tok(sched.server_info())
+            info = sched.server_info()
+            own = self.gc.stats() if self.gc is not None else m.GcStats()
+            info.gc = {"scheduler": own, "worker": self.worker_gc}
+            self.send_tok(info)
         elif isinstance(msg, m.FlushCacheReq):
             self.send_tok(sched.flush_cache())
         elif isinstance(msg, m.MetricsReq):
@@ -308,6 +315,8 @@ class SchedulerProcess:
             msg = self.wait_worker(timeout_ms=int(min(remaining, 1.0) * 1000) + 1)
             if isinstance(msg, m.ForwardResult) and msg.step == batch.step:
                 received = time.perf_counter()
+                if msg.gc is not None:
+                    self.worker_gc = msg.gc
                 if logger.isEnabledFor(logging.DEBUG):
                     self._log_step(batch, plan, msg, received - step.sent_at)
                 stats = self.scheduler.stats

@@ -281,13 +281,17 @@ class HttpApi:
     async def completions(self, request: Request) -> Response:
         req = await self.decode(request, CompletionRequest)
         inputs, renderer = self.builder.completion(req, self.tenant(request))
-        return await self.respond(request, inputs, renderer, req.stream)
+        stream = req.stream
+        del req  # its prompt ids (a list) live on as the inputs' tuples only
+        return await self.respond(request, inputs, renderer, stream)
 
     async def generate(self, request: Request) -> Response:
         logger.debug("HTTP /generate in")
         req = await self.decode(request, NativeGenerateRequest)
         inputs, renderer = self.builder.native(req, self.tenant(request))
-        return await self.respond(request, inputs, renderer, req.stream)
+        stream = req.stream
+        del req  # its prompt ids (a list) live on as the inputs' tuples only
+        return await self.respond(request, inputs, renderer, stream)
 
     # --- readiness
 

@@ -12,6 +12,7 @@ import uvicorn
 from radix_runtime.config import ServerArgs
 from radix_runtime.launch import Children, load_frontend
 from radix_runtime.server.tokenizer_manager import TokenizerManager
+from radix_runtime.utils import gc_tuning
 from radix_runtime.utils.procs import configure_logging, set_process_title
 
 logger = logging.getLogger("radix_runtime.server")
@@ -78,6 +79,7 @@ async def _serve(args: ServerArgs, children: Children, source, tokenizer) -> int
         return 1
 
     app = build_app(manager, args)
+    gc_tuning.ready(args, "tokenizer")
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -24,6 +24,7 @@ from radix_runtime.frontend.contract import GenerateChunk, GenerateInput
 from radix_runtime.frontend.errors import GenerationError
 from radix_runtime.server.metrics import Metrics, RequestTiming
 from radix_runtime.tokenizer import IncrementalDetokenizer, StopMatcher
+from radix_runtime.utils import gc_tuning
 from radix_runtime.utils.procs import endpoint, zmq_socket
 
 logger = logging.getLogger(__name__)
@@ -390,7 +391,11 @@ class TokenizerManager:
         await self._send(m.ServerInfoReq())
         info: m.ServerInfo = await asyncio.wait_for(fut, 30)
         # every field, zero counters included (the wire format omits defaults)
-        return msgspec.to_builtins(msgspec.structs.asdict(info))
+        out = msgspec.to_builtins(msgspec.structs.asdict(info))
+        watch = gc_tuning.current()
+        if watch is not None:  # this process's collections (a server's tokenizer process)
+            out["gc"] = {"tokenizer": msgspec.to_builtins(watch.stats()), **out["gc"]}
+        return out
 
     async def _ask(self, waiters: deque, msg, timeout: float = 30):
         """Send a control message to the scheduler and await its reply (replies come in order)."""

@@ -67,6 +67,7 @@ class CudaGraphRunner:
         self.kv_pool = kv_pool
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
+        reserved = torch.cuda.memory_reserved(device)
         # rows: token ids, positions, KV write locations; one host->device copy fills all three
         self.inputs = torch.zeros((3, self.max_bs), dtype=torch.int64, device=device)
         attn.init_cuda_graph_state(self.max_bs, self.max_bs * max_pages_per_slot)
@@ -77,9 +78,12 @@ class CudaGraphRunner:
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory
             pool = self._capture(bs, pool)
         self.capture_s = time.perf_counter() - t0
+        # device memory the capture added (the graphs' pool, the attention state's buffers)
+        self.memory_bytes = torch.cuda.memory_reserved(device) - reserved
         logger.info(
-            "captured %d CUDA graphs (batch sizes %d..%d) in %.1fs",
+            "captured %d CUDA graphs (batch sizes %d..%d) in %.1fs, %.2f GiB",
             len(self.batch_sizes), self.batch_sizes[0], self.max_bs, self.capture_s,
+            self.memory_bytes / 2**30,
         )  # fmt: skip
 
     def can_run(self, meta: AttentionMetadata) -> bool:

@@ -451,6 +451,13 @@ class CopyTiming:
     load_waited: bool = False  # the loads waited for the running steps (a page of theirs)
     write_waited: bool = False  # the writes did
 
+    def ready(self) -> bool:
+        """Whether its times can be read without waiting (CUDA: every event done; a load held
+        for a later step may still run after the step it came with)."""
+        return all(
+            t is None or isinstance(t, float) or t[1].query() for t in (self.load, self.wait)
+        )
+
 
 def _seconds(timing) -> float:
     if timing is None:

@@ -33,6 +33,7 @@ import zmq
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
+from radix_runtime.utils import gc_tuning
 from radix_runtime.utils.procs import (
     configure_logging,
     endpoint,
@@ -70,6 +71,7 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
     outbox.send(m.encode(runner.ready_info()))
     if runner.grammars is not None:
         runner.grammars.warm()  # in the background: the first constrained request is faster
+    gc_watch = gc_tuning.ready(args, role)
     hang_at = int(os.environ.get(HANG_AT_STEP_ENV, "0") or 0)
 
     def fail(what: str, exc: Exception) -> None:
@@ -89,6 +91,7 @@ def serve(args: ServerArgs, ipc_dir: str, rank: int = 0) -> None:
             fail(f"forward step {pending.step}", exc)
         result.launch_s = pending.launch_s
         result.held_s = held_s
+        result.gc = gc_watch.report()
         outbox.send(m.encode(result), copy=False)
 
     pending = None  # the launched step whose result is not sent yet

@@ -203,6 +203,7 @@ class ModelRunner:
         # tier copy that touches none of them need not wait for those steps (HostKVPool.copy)
         self._in_flight: dict[int, StepPages] = {}
         self._early: list[CopyTiming] = []  # HostCopies made since the last launch
+        self._unread: list[CopyTiming] = []  # copy times not done when their step was
         # the token each slot sampled last, on the device (the sampler's slot state says whether
         # there is one since the slot opened)
         self.last_sampled = torch.zeros(self.max_running, dtype=torch.long, device=self.device)
@@ -399,12 +400,16 @@ class ModelRunner:
         for slot in batch.released_slots:
             self.sampler.release(slot)
         pending = PendingStep(step=batch.step, reqs=batch.reqs, t0=t0)
-        layout = self._prepare(batch.reqs) if batch.reqs else None
         if batch.write_src or batch.load_src or self.host_pool is not None:
             # NOTE: with a host tier every step goes through it, copies or not: it also waits
-            # for the previous batch's writes (their device pages may be reused now), and for
+            # for the previous batch's writes (their device pages may be reused now)
+            pending.load = self._host_copies(batch)
+        layout = self._prepare(batch.reqs) if batch.reqs else None
+        if layout is not None and self.host_pool is not None and self.device.type == "cuda":
             # the loads held for later steps (prefetches) into pages this step touches
-            pending.load = self._host_copies(batch, layout.pages if layout else None)
+            held = self.host_pool.wait_pending(layout.pages)
+            if held is not None:  # timed with the copies sent on their own
+                self._early.append(held)
         pending.early, self._early = self._early, []
         if layout is None:
             return pending
@@ -474,27 +479,26 @@ class ModelRunner:
         if keep_logits:
             pending.logits = per_req
 
-    def _host_copies(self, batch: m.ForwardBatch, step: StepPages | None):
-        """The host tier's copies of this batch, queued before its model (HostKVPool.copy): the
-        step (`step`: its pages) waits for the loads into its pages, held ones included."""
+    def _host_copies(self, batch: m.ForwardBatch):
+        """The host tier's copies of this batch, queued before its model (HostKVPool.copy), as
+        soon as the batch arrives. The step waits for the loads into the pages its rows are
+        handed (`new_pages`: a page loaded now is fresh, so only a request admitted with it
+        reads it); the others are held for later steps (`HostKVPool.wait_pending`)."""
         if self.host_pool is None:
             raise ValueError(
                 "host-tier copies sent to a worker without --enable-hierarchical-cache"
             )
-        timing = self.host_pool.copy(
+        empty = np.zeros(0, np.int32)
+        needs = np.concatenate([empty, *(m.unpack_ids(r.new_pages) for r in batch.reqs)])
+        return self.host_pool.copy(
             m.unpack_ids(batch.write_src),
             m.unpack_ids(batch.write_dst),
             m.unpack_ids(batch.load_src),
             m.unpack_ids(batch.load_dst),
             batch.writes_block,
             busy=self.pages_in_flight(),
-            needs=None if step is None else np.concatenate([step.read, step.written]),
+            needs=needs,
         )
-        if step is not None and self.device.type == "cuda":
-            held = self.host_pool.wait_pending(step)
-            if held is not None:  # timed with the copies sent on their own
-                self._early.append(held)
-        return timing
 
     @torch.inference_mode()
     def early_copies(self, msg: m.HostCopies) -> None:
@@ -535,15 +539,20 @@ class ModelRunner:
         if pending.event is not None:
             pending.event.synchronize()
         self._in_flight.pop(pending.step, None)  # its kernels are done (the event follows them)
-        load_s, wait_s = HostKVPool.load_time(pending.load), HostKVPool.wait_time(pending.load)
-        copies = pending.load or CopyTiming()
-        issue_s, load_waited, write_waited = copies.issue_s, copies.load_waited, copies.write_waited
-        for early in pending.early:  # copies sent on their own before this step
-            load_s += HostKVPool.load_time(early)
-            wait_s += HostKVPool.wait_time(early)
-            issue_s += early.issue_s
-            load_waited |= early.load_waited
-            write_waited |= early.write_waited
+        # the copies' times: this batch's and those sent on their own before it; a time whose
+        # copy is still running (a load held for a later step) is read with a later step
+        copies = [t for t in (pending.load, *pending.early) if t is not None]
+        issue_s = sum(t.issue_s for t in copies)
+        load_waited = any(t.load_waited for t in copies)
+        write_waited = any(t.write_waited for t in copies)
+        load_s = wait_s = 0.0
+        unread, self._unread = self._unread + copies, []
+        for t in unread:
+            if not t.ready():
+                self._unread.append(t)
+                continue
+            load_s += HostKVPool.load_time(t)
+            wait_s += HostKVPool.wait_time(t)
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0

@@ -118,11 +118,13 @@ def test_loads_for_later_steps_do_not_hold_this_step_and_the_step_reading_them_w
     torch.cuda.synchronize()
     with torch.cuda.stream(host.stream):
         torch.cuda._sleep(int(5e8))  # the copy stream busy for a few hundred ms
-    host.copy(none, none, np.array([11], np.int32), np.array([8], np.int32), False, needs=none)
+    held = host.copy(none, none, np.array([11], np.int32), np.array([8], np.int32), False,
+                     needs=none)  # fmt: skip
     free = torch.cuda.Event()
     free.record()
     free.synchronize()  # the compute stream passed the batch ...
     assert not host._pending[0][0].query()  # ... while its load still waits behind the sleep
+    assert not held.ready()  # (its time is read later: collecting a step never waits for it)
     host.copy(none, none, np.array([9, 10], np.int32), np.array([5, 7], np.int32), False,
               needs=np.array([5], np.int32))  # fmt: skip
     own = torch.cuda.Event()

@@ -87,3 +87,17 @@ def test_unknown_model_is_not_found_and_health_generate(default_server):
     assert info.value.code == "model_not_found"
     with default_server.client() as c:
         assert c.get("/health_generate").json() == {"status": "ok"}
+
+
+def test_server_info_reports_each_process_garbage_collections(default_server):
+    """Every process froze its startup objects out of collection (utils/gc_tuning.py) and reports
+    its collections; the worker's come with its step results."""
+    with default_server.client() as c:
+        r = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+        gc = c.get("/get_server_info").json()["gc"]
+    assert set(gc) == {"tokenizer", "scheduler", "worker"}
+    for role, stats in gc.items():
+        assert stats["frozen_objects"] > 1000, role  # at least the imports' objects
+        assert stats["full_collections"] <= stats["collections"], role
+        assert 0 <= stats["max_pause_s"] <= stats["pause_s"] or stats["collections"] == 0, role

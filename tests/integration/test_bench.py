@@ -205,6 +205,11 @@ def test_serving_sweep(default_server, tmp_path, dataset):
         check_section(row, n)
         assert row["itl_p99_over_p50"] >= 1
         assert row["mismatched_results"] == 0
+        # each server process's garbage collections during the run (/get_server_info gc)
+        assert set(row["gc"]) == {"tokenizer", "scheduler", "worker"}
+        assert all(
+            g["frozen_objects"] > 0 and g["full_collections"] >= 0 for g in row["gc"].values()
+        )
     if dataset == "random":
         # the roofline from the ceilings measured in the run and the work the requests did
         ceilings = result["config"]["ceilings"]
@@ -224,6 +229,7 @@ def test_serving_sweep(default_server, tmp_path, dataset):
         assert stdout.count(": roofline_serial_fraction ") == len(rows)
         assert stdout.count(": roofline_run_fraction ") == len(rows)
         assert stdout.count("itl_p99_over_p50") == len(rows)
+        assert stdout.count(": gc during the run: tokenizer ") == len(rows)
     else:
         assert result["config"]["ceilings"] is None and "roofline" not in rows[0]
     if dataset == "generated-shared-prefix":
@@ -231,3 +237,20 @@ def test_serving_sweep(default_server, tmp_path, dataset):
         assert all(r["optimal_hit_rate"] >= 4 * 48 / (6 * 56) - EPS for r in rows)
         assert all(r["hit_rate"] > 0.3 for r in rows)
     check_png(png)
+
+
+def test_front_stream_freezes_the_fronts_startup_objects_unless_told_not_to(tmp_path):
+    """bench/front_stream.py: the real HTTP front fed by a paced scheduler script, measured by
+    bench/serving.py; the front's garbage collections come back in the results."""
+    for flags, frozen in (("", True), ("--disable-gc-freeze", False)):
+        out = tmp_path / f"front_{frozen}.json"
+        stdout = run_script(
+            "front_stream.py",
+            "--streams", "8", "--step-ms", "10", "--num-prompts", "8",
+            "--input-len", "16", "--output-len", "12",
+            f"--server-args={flags}", "--out", str(out),
+        )  # fmt: skip
+        row = json.loads(out.read_text())["cache_on"][0]
+        assert row["errors"] == 0 and row["output_tokens"] == 8 * 12
+        assert (row["gc"]["tokenizer"]["frozen_objects"] > 1000) == frozen
+        assert ": gc during the run: tokenizer " in stdout and "itl_p99_over_p50" in stdout

@@ -113,7 +113,7 @@ def test_chat_completion(client, manager):
         "prompt_tokens_details": {"cached_tokens": CACHED},
     }
     (inp,) = manager.inputs
-    assert inp.input_ids == prompt_ids  # template output, no second BOS
+    assert list(inp.input_ids) == prompt_ids  # template output, no second BOS
     assert inp.sampling.max_new_tokens == 20
     assert inp.sampling.temperature == 0.0
     assert inp.rid == body["id"]
@@ -168,7 +168,7 @@ def test_chat_content_parts_and_developer_role(client, manager):
     resp = client.post("/v1/chat/completions", json={"messages": messages})
     assert resp.status_code == 200, resp.text
     expected = "<system>be brief<user>a\nb<assistant><user>c<a>"
-    assert manager.inputs[0].input_ids == FakeTokenizer().encode(expected, False)
+    assert list(manager.inputs[0].input_ids) == FakeTokenizer().encode(expected, False)
 
 
 def test_max_tokens_defaults_to_remaining_context(client, manager):
@@ -271,7 +271,7 @@ def test_completions_string_prompt(client, manager):
     assert body["id"].startswith("cmpl-")
     assert body["choices"][0]["text"] == REPLY[:3]
     assert body["choices"][0]["finish_reason"] == "length"
-    assert manager.inputs[0].input_ids == [BOS, 97, 98, 99]
+    assert manager.inputs[0].input_ids == (BOS, 97, 98, 99)
     assert body["usage"]["prompt_tokens"] == 4
     assert body["usage"]["total_tokens"] == 7
 
@@ -283,7 +283,7 @@ def test_completions_string_prompt(client, manager):
 def test_completions_prompt_forms(client, manager, prompt, ids):
     resp = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
     assert resp.status_code == 200, resp.text
-    assert manager.inputs[0].input_ids == ids
+    assert list(manager.inputs[0].input_ids) == ids
     assert len(resp.json()["choices"]) == 1
 
 
@@ -823,7 +823,7 @@ def test_emoji_surrogate_pair_is_fine(client, manager):
         b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}',
     )
     assert resp.status_code == 200, resp.text
-    assert manager.inputs[0].input_ids == [BOS, 999]
+    assert manager.inputs[0].input_ids == (BOS, 999)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ shapes (rendering)."""
 
 from __future__ import annotations
 
+import gc
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -193,7 +195,9 @@ def test_choice_state_accumulates():
             GenerateChunk(text="bc", ids=[3], completion_tokens=3, finish_reason="stop"),
         ]
     )
-    assert s.full_text == "abc" and s.ids == [1, 2, 3]
+    assert s.full_text == "abc" and list(s.ids) == [1, 2, 3]
+    # an array: a full collection follows no reference per element (a list: one per id)
+    assert len(gc.get_referents(s.ids)) <= 1
     assert (s.completion_tokens, s.cached_tokens, s.finish_reason) == (3, 2, "stop")
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
+from radix_runtime.worker.kernels.activation import gelu_tanh_and_mul_torch, silu_and_mul_torch
 
 GEMV_PLAIN, GEMV_NORM, GEMV_SILU, GEMV_GELU = 0, 1, 2, 3
 FP8_GEMV_ROWS_FACTOR = 2  # BLOCK_N of an FP8 weight's GEMV over the bf16 table's (bench/quant.py)
@@ -251,8 +252,7 @@ def gemv_torch(
     """The reference for `gemv`, in float32."""
     xf = x.float()
     if silu or gelu:
-        gate, up = xf.chunk(2, dim=-1)
-        xf = (F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up
+        xf = (silu_and_mul_torch if silu else gelu_tanh_and_mul_torch)(xf)
     elif norm_weight is not None:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     y = F.linear(xf, weight.float())

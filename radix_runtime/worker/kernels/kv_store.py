@@ -88,7 +88,6 @@ def store_kv_torch(
     v: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    pdl: bool = False,
 ) -> None:
     """The reference: two index_put_ writes into the flat [slots, kv_heads, head_dim] views."""
     flat = (-1, k.shape[1], k.shape[2])
