@@ -75,6 +75,7 @@ class ServerArgs:
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
+    disable_pdl: bool = False
     cuda_graph_max_bs: int = 256
     # prefill/mixed batches of up to this many tokens replay CUDA graphs too; 0: none
     cuda_graph_max_extend_tokens: int = 1024
@@ -300,6 +301,9 @@ _HELP = {
     "most N prefill steps (0: no cap, prefill first; ignored with --enable-mixed-chunk)",
     "enable_mixed_chunk": "put decodes and prefill chunks in one batch (default: a step with "
     "prefill work runs only prefills; decode-only steps run as CUDA graphs)",
+    "disable_pdl": "launch the one-token path's Triton kernels one after another (default: with "
+    "programmatic dependent launch on Hopper GPUs, each kernel starting while the one before it "
+    "finishes: batch-1 decode 1.05-1.17x on the H200; docs/decisions.md)",
     "disable_gc_freeze": "leave Python's garbage collector as it starts (default: each server "
     "process, once ready, freezes the objects its startup left out of collection, so a full "
     "collection walks only what serving keeps alive: ~0.1 s less per full collection in the worker "

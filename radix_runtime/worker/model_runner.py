@@ -134,7 +134,7 @@ class ModelRunner:
         worker's tensor-parallel rank (worker/distributed.py); it holds that rank's share of the
         model and of the KV pool, and joins the others' collectives."""
         self.args = args
-        self.kernels = kernels or KernelConfig()
+        self.kernels = kernels or KernelConfig(pdl=not args.disable_pdl)
         self.tp = tp or TPRank()
         self.device = self.tp.pin(pick_device(args.device))
         self.dtype = pick_dtype(args.dtype, self.device)

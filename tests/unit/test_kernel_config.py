@@ -98,3 +98,14 @@ def test_gemv_reference_of_the_gelu_prologue():
     assert torch.allclose(gemv.gemv_torch(x, w, gelu=True), want, atol=1e-6)
     with pytest.raises(ValueError, match="one prologue"):
         gemv.gemv(x, w, gelu=True, silu=True)
+
+
+def test_disable_pdl_reaches_the_runners_kernel_config():
+    """`--disable-pdl` is the server's way out of dependent launches: the runner's config (and so
+    its attention backend's and fused ops') asks for plain launches; by default it asks for PDL."""
+    common = dict(
+        model_config="tiny-llama", load_format="dummy", device="cpu", max_total_tokens=256
+    )
+    assert ModelRunner(ServerArgs(**common)).kernels.pdl
+    off = ModelRunner(ServerArgs(**common, disable_pdl=True))
+    assert not off.kernels.pdl and not off.attn.kernels.pdl
