@@ -484,18 +484,23 @@ class ModelRunner:
         soon as the batch arrives. The step waits for the loads into the pages its rows are
         handed (`new_pages`: a page loaded now is fresh, so only a request admitted with it
         reads it); the others are held for later steps (`HostKVPool.wait_pending`)."""
+        empty = np.zeros(0, np.int32)
+        needs = np.concatenate([empty, *(m.unpack_ids(r.new_pages) for r in batch.reqs)])
+        return self._queue_host_copies(batch, needs)
+
+    def _queue_host_copies(self, msg: m.ForwardBatch | m.HostCopies, needs: np.ndarray):
+        """`msg`'s host-tier copies on the copy stream, beside the steps in flight; the loads
+        into `needs` are the ones the next launched step waits for."""
         if self.host_pool is None:
             raise ValueError(
                 "host-tier copies sent to a worker without --enable-hierarchical-cache"
             )
-        empty = np.zeros(0, np.int32)
-        needs = np.concatenate([empty, *(m.unpack_ids(r.new_pages) for r in batch.reqs)])
         return self.host_pool.copy(
-            m.unpack_ids(batch.write_src),
-            m.unpack_ids(batch.write_dst),
-            m.unpack_ids(batch.load_src),
-            m.unpack_ids(batch.load_dst),
-            batch.writes_block,
+            m.unpack_ids(msg.write_src),
+            m.unpack_ids(msg.write_dst),
+            m.unpack_ids(msg.load_src),
+            m.unpack_ids(msg.load_dst),
+            msg.writes_block,
             busy=self.pages_in_flight(),
             needs=needs,
         )
@@ -506,21 +511,8 @@ class ModelRunner:
         the copy stream beside the steps in flight (a load waits for them only if it touches
         their pages), and every step launched later waits for them, as for a batch's copies.
         Their times are reported with the next step launched."""
-        if self.host_pool is None:
-            raise ValueError(
-                "host-tier copies sent to a worker without --enable-hierarchical-cache"
-            )
-        self._early.append(
-            self.host_pool.copy(
-                m.unpack_ids(msg.write_src),
-                m.unpack_ids(msg.write_dst),
-                m.unpack_ids(msg.load_src),
-                m.unpack_ids(msg.load_dst),
-                msg.writes_block,
-                busy=self.pages_in_flight(),
-                needs=np.zeros(0, np.int32),  # no step: each later step waits for its pages
-            )
-        )
+        # no step of their own: each later step waits for the pages it touches
+        self._early.append(self._queue_host_copies(msg, np.zeros(0, np.int32)))
 
     def pages_in_flight(self) -> StepPages:
         """The KV pages the launched, not yet collected steps read and write."""
