@@ -119,14 +119,17 @@ class CpuDecoder:
         decode, prefills = self.attn._plans[0]
         dec = None
         if decode is not None:
-            a, b = decode.span if decode.span is not None else (-1, -1)
-            locs = None if decode.span is not None else decode.kv_locs
-            dec = (decode.rows, a, b, locs, *decode.shape, decode.mask)
-        chunks = []
-        for p in prefills:
-            a, b = p.span if p.span is not None else (-1, -1)
-            chunks.append((p.start, p.end, a, b, None if p.span else p.kv_locs, p.mask))
+            dec = (decode.rows, *_keys(decode), *decode.shape, decode.mask)
+        chunks = [(p.start, p.end, *_keys(p), p.mask) for p in prefills]
         return self._impl.forward(h, cos, sin, self.attn._out_cache_loc, dec, chunks)
+
+
+def _keys(plan) -> tuple[int, int, torch.Tensor | None]:
+    """Where a planned group reads its keys, as the extension takes it: (a, b, None) for the
+    pool's slice [a, b), else (-1, -1, its locations)."""
+    if plan.span is not None:
+        return (*plan.span, None)
+    return -1, -1, plan.kv_locs
 
 
 def build(model, kv_pool: KVPool, attn) -> CpuDecoder | None:
