@@ -172,8 +172,6 @@ class CpuDecoder {
     return h;
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   struct Chunk {
     int64_t start, end;
@@ -251,10 +249,9 @@ class CpuDecoder {
   }
 
   static Tensor gather_decode(const Plan& plan, const Tensor& flat) {
-    const KeySource& s = plan.decode_keys;
-    if (s.a >= 0) return flat.slice(0, s.a, s.b).unsqueeze(0);
-    return flat.index_select(0, s.locs)
-        .view({plan.decode_shape[0], plan.decode_shape[1], flat.size(1), flat.size(2)});
+    Tensor keys = plan.decode_keys.gather(flat);
+    if (plan.decode_keys.a >= 0) return keys.unsqueeze(0);
+    return keys.view({plan.decode_shape[0], plan.decode_shape[1], flat.size(1), flat.size(2)});
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
@@ -269,6 +266,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &CpuDecoder::add_layer)
       .def("bind_pool", &CpuDecoder::bind_pool)
-      .def("forward", &CpuDecoder::forward, py::call_guard<py::gil_scoped_release>())
-      .def("num_layers", &CpuDecoder::num_layers);
+      .def("forward", &CpuDecoder::forward, py::call_guard<py::gil_scoped_release>());
 }
