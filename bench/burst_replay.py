@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 from bench import common  # noqa: E402
 from bench.admission_replay import fake_worker_ready, sampled_result  # noqa: E402
 from radix_runtime import messages as m  # noqa: E402
-from radix_runtime.config import add_server_args, args_from_namespace  # noqa: E402
+from radix_runtime.config import parse_server_args  # noqa: E402
 from radix_runtime.scheduler.main import advance  # noqa: E402
 from radix_runtime.scheduler.scheduler import Scheduler  # noqa: E402
 
@@ -58,11 +58,7 @@ class StepModel:
 
 
 def replay(opts: argparse.Namespace) -> dict:
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    args = args_from_namespace(
-        parser.parse_args(["--max-total-tokens", str(opts.pool), *shlex.split(opts.server_args)])
-    )
+    args = parse_server_args(["--max-total-tokens", str(opts.pool), *shlex.split(opts.server_args)])
     ps = args.page_size
     ready = fake_worker_ready(
         opts.pool // ps + 1,
