@@ -60,6 +60,34 @@ class _Watch:
         kv.admit = watched
 
 
+def fake_worker_ready(num_pages: int, page_size: int, vocab: int, **kw) -> m.WorkerReady:
+    """What a worker that computes nothing reports at start (the replays' scheduler input)."""
+    return m.WorkerReady(
+        num_pages=num_pages,
+        page_size=page_size,
+        context_length=131072,
+        vocab_size=vocab,
+        eos_token_ids=[0],
+        device="cpu",
+        dtype="none",
+        attention_backend="none",
+        **kw,
+    )
+
+
+def sampled_result(
+    batch: m.ForwardBatch, vocab: int, offset: int, forward_s: float
+) -> m.ForwardResult:
+    """A step's result with a made-up token id (from `offset`) for every row that samples."""
+    results = [
+        m.ForwardReqResult(next_id=1 + (offset + i) % (vocab - 1))
+        if r.sample
+        else m.ForwardReqResult()
+        for i, r in enumerate(batch.reqs)
+    ]
+    return m.ForwardResult(step=batch.step, results=results, forward_s=forward_s)
+
+
 def replay(opts: argparse.Namespace, pool: int, hicache: bool) -> dict:
     args = ServerArgs(
         page_size=opts.page_size,
@@ -70,19 +98,14 @@ def replay(opts: argparse.Namespace, pool: int, hicache: bool) -> dict:
         hicache_write_policy=opts.policy,
     )
     pages = pool // opts.page_size + 1
-    ready = m.WorkerReady(
-        num_pages=pages,
-        page_size=opts.page_size,
-        context_length=131072,
-        vocab_size=VOCAB,
-        eos_token_ids=[0],
-        device="cpu",
-        dtype="none",
-        attention_backend="none",
+    ready = fake_worker_ready(
+        pages,
+        opts.page_size,
+        VOCAB,
+        max_running_requests=256,
         host_num_pages=int(opts.hicache_ratio * (pages - 1)) + 1 if hicache else 0,
         kv_bytes_per_token=131072,  # the Llama-3.1-8B shape: loads always beat recomputing
         load_bandwidth=50e9,
-        max_running_requests=256,
     )
     sched = Scheduler(args, ready)
     watch = _Watch(sched.kv)
@@ -107,13 +130,7 @@ def replay(opts: argparse.Namespace, pool: int, hicache: bool) -> dict:
     def send(batch: m.ForwardBatch, plan):
         nonlocal step
         step += 1
-        results = [
-            m.ForwardReqResult(next_id=1 + (step + i) % (VOCAB - 1))
-            if r.sample
-            else m.ForwardReqResult()
-            for i, r in enumerate(batch.reqs)
-        ]
-        return m.ForwardResult(step=batch.step, results=results, forward_s=0.01)
+        return sampled_result(batch, VOCAB, step, forward_s=0.01)
 
     def submit() -> None:
         while queue and len(running) < opts.max_inflight:

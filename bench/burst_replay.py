@@ -33,8 +33,9 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common  # noqa: E402
+from bench.admission_replay import fake_worker_ready, sampled_result  # noqa: E402
 from radix_runtime import messages as m  # noqa: E402
-from radix_runtime.config import add_server_args, args_from_namespace  # noqa: E402
+from radix_runtime.config import parse_server_args  # noqa: E402
 from radix_runtime.scheduler.main import advance  # noqa: E402
 from radix_runtime.scheduler.scheduler import Scheduler  # noqa: E402
 
@@ -57,21 +58,12 @@ class StepModel:
 
 
 def replay(opts: argparse.Namespace) -> dict:
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    args = args_from_namespace(
-        parser.parse_args(["--max-total-tokens", str(opts.pool), *shlex.split(opts.server_args)])
-    )
+    args = parse_server_args(["--max-total-tokens", str(opts.pool), *shlex.split(opts.server_args)])
     ps = args.page_size
-    ready = m.WorkerReady(
-        num_pages=opts.pool // ps + 1,
-        page_size=ps,
-        context_length=131072,
-        vocab_size=VOCAB,
-        eos_token_ids=[0],
-        device="cpu",
-        dtype="none",
-        attention_backend="none",
+    ready = fake_worker_ready(
+        opts.pool // ps + 1,
+        ps,
+        VOCAB,
         max_running_requests=args.max_running_requests or opts.max_running,
     )
     sched = Scheduler(args, ready)
@@ -97,13 +89,7 @@ def replay(opts: argparse.Namespace) -> dict:
         dt = model.seconds(context, prefill)
         clock += dt
         steps.append((rows, prefill, dt))
-        results = [
-            m.ForwardReqResult(next_id=1 + (batch.step + i) % (VOCAB - 1))
-            if r.sample
-            else m.ForwardReqResult()
-            for i, r in enumerate(batch.reqs)
-        ]
-        return m.ForwardResult(step=batch.step, results=results, forward_s=dt)
+        return sampled_result(batch, VOCAB, batch.step, forward_s=dt)
 
     finished, inflight = 0, None
     while finished < opts.num_prompts:

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.roofline import ModelShape
-from radix_runtime.config import ServerArgs, add_server_args, args_from_namespace
+from radix_runtime.config import ServerArgs, parse_server_args
 
 
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -133,9 +133,7 @@ def probe(model: str, server_args: str) -> dict:
     """Ceilings of the device the server would run on, in its dtype, and the model's shape."""
     from radix_runtime.worker.model_runner import cpu_threads, pick_device, pick_dtype
 
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    args = args_from_namespace(parser.parse_args(["--model", model, *shlex.split(server_args)]))
+    args = parse_server_args(["--model", model, *shlex.split(server_args)])
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     if device.type == "cpu":

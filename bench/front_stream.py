@@ -143,13 +143,11 @@ async def _serve(args, streams: int, step_s: float) -> None:
 
 def serve_main(argv: list[str]) -> int:
     """`--serve PORT STREAMS STEP_MS [server flags]`: the server side (a subprocess)."""
-    from radix_runtime.config import add_server_args, args_from_namespace
+    from radix_runtime.config import parse_server_args
     from radix_runtime.utils.procs import configure_logging
 
     port, streams, step_ms, *flags = argv
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    args = args_from_namespace(parser.parse_args(["--port", port, *flags]))
+    args = parse_server_args(["--port", port, *flags])
     configure_logging(args.log_level, "tokenizer")
     try:
         import uvloop

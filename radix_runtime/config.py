@@ -444,10 +444,18 @@ def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     return args
 
 
+def parse_server_args(argv: list[str]) -> ServerArgs:
+    """ServerArgs from command-line flags, as `radix-runtime serve` reads them."""
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    return args_from_namespace(parser.parse_args(argv))
+
+
 __all__ = [
     "ServerArgs",
     "DEFAULT_MODEL",
     "add_server_args",
+    "parse_server_args",
     "args_from_namespace",
     "auto_grammar_fill_threads",
     "auto_max_running_requests",

@@ -198,7 +198,6 @@ class Admission:
         for req in self.queues.waiting:
             if req.prefetch_node is not None:
                 self.kv.drop_prefetch(req)
-                req.prefetched_tokens = 0
                 dropped += 1
         self.counters.host_prefetches_dropped += dropped
         return dropped > 0
@@ -320,9 +319,8 @@ class Admission:
             expected += own
             # a prefetch (on arrival) is held by the request's own lock now; its tokens were
             # loaded from the host for it
-            early = req.prefetched_tokens if req.prefetch_node is not None else 0
+            early = req.prefetched_tokens  # (0 without a prefetch)
             self.kv.drop_prefetch(req)
-            req.prefetched_tokens = 0
             if req.cached_tokens < 0:
                 self._count_admission(req, match.length - early, host_len, loaded + early)
             self.queues.start(req)

@@ -198,7 +198,7 @@ class KvBook:
         or memory pressure: the loaded nodes stay cached, evictable again)."""
         if req.prefetch_node is not None:
             self.cache.unlock(req.prefetch_node)
-            req.prefetch_node = None
+            req.prefetch_node, req.prefetched_tokens = None, 0
 
     def cache_unfinished(self, req: Req) -> None:
         """Put the computed prefix of a running request into the tree, so requests arriving now

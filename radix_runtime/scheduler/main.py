@@ -99,6 +99,9 @@ class SchedulerProcess:
         # the other messages read then wait here, in order, for the loop's next read
         self.reads_early = False
         self.deferred: list = []
+        self._step_poller = zmq.Poller()  # both sockets, for `wait_worker` (built once)
+        self._step_poller.register(self.from_worker, zmq.POLLIN)
+        self._step_poller.register(self.from_tok, zmq.POLLIN)
 
     # -- startup ---------------------------------------------------------------------------
 
@@ -232,9 +235,7 @@ class SchedulerProcess:
         the step runs, before the batch that admits the request is built."""
         if not self.reads_early:
             return self._recv_worker(timeout_ms)
-        poller = zmq.Poller()
-        poller.register(self.from_worker, zmq.POLLIN)
-        poller.register(self.from_tok, zmq.POLLIN)
+        poller = self._step_poller
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
             left = max(0, math.ceil((deadline - time.monotonic()) * 1000))

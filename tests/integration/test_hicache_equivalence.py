@@ -105,6 +105,13 @@ def test_prefetch_on_arrival_outputs_equal_cache_off(page_size, pool):
         assert sched.host_cached_tokens_total > 0
 
 
+# the real-server tests' flags: a tiny dummy model on the CPU with the host tier on
+TIERED_SERVER = (
+    "--load-format", "dummy", "--model-config", "tiny-llama", "--device", "cpu",
+    "--chunked-prefill-size", "32", "--enable-hierarchical-cache", "--hicache-ratio", "8",
+)  # fmt: skip
+
+
 def test_server_with_the_cpp_tree_and_the_host_tier_keeps_greedy_outputs(tmp_path):
     """A real server (`--radix-tree-impl cpp`, the host tier on, a 64-token device pool):
     multi-turn conversations sent a turn at a time (one /generate batch per turn) give the same
@@ -113,10 +120,8 @@ def test_server_with_the_cpp_tree_and_the_host_tier_keeps_greedy_outputs(tmp_pat
     from server_support import start_server
 
     server = start_server(
-        str(tmp_path), "--load-format", "dummy", "--model-config", "tiny-llama",
-        "--device", "cpu", "--max-total-tokens", "64", "--chunked-prefill-size", "32",
-        "--enable-hierarchical-cache", "--hicache-ratio", "8", "--radix-tree-impl", "cpp",
-    )  # fmt: skip
+        str(tmp_path), *TIERED_SERVER, "--max-total-tokens", "64", "--radix-tree-impl", "cpp"
+    )
     try:
         prompts, _ = conversations(vocab=500)
         sampling = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
@@ -161,10 +166,8 @@ def test_server_prefetches_requests_read_while_a_step_runs(tmp_path):
     from server_support import start_server
 
     server = start_server(
-        str(tmp_path), "--load-format", "dummy", "--model-config", "tiny-llama",
-        "--device", "cpu", "--max-total-tokens", "192", "--chunked-prefill-size", "32",
-        "--max-running-requests", "2", "--enable-hierarchical-cache", "--hicache-ratio", "8",
-    )  # fmt: skip
+        str(tmp_path), *TIERED_SERVER, "--max-total-tokens", "192", "--max-running-requests", "2"
+    )
     try:
         prompts, _ = staggered(vocab=500, n=8)
         sampling = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}

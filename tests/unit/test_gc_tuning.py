@@ -108,14 +108,10 @@ def test_ready_freezes_what_startup_left_unless_disabled():
 
 
 def test_the_flag():
-    import argparse
+    from radix_runtime.config import parse_server_args
 
-    from radix_runtime.config import add_server_args, args_from_namespace
-
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    assert args_from_namespace(parser.parse_args([])).disable_gc_freeze is False
-    assert args_from_namespace(parser.parse_args(["--disable-gc-freeze"])).disable_gc_freeze
+    assert parse_server_args([]).disable_gc_freeze is False
+    assert parse_server_args(["--disable-gc-freeze"]).disable_gc_freeze
 
 
 def test_a_requests_prompt_ids_are_not_walked_by_the_collector():
