@@ -68,8 +68,12 @@ if CppExtension is not None:
     ext_modules.append(
         CppExtension(
             "radix_runtime.worker._cpu_decoder",
-            ["csrc/cpu_decoder.cpp"],
-            extra_compile_args=["-O3"],  # vectorizes the int4 zero correction's loops
+            ["csrc/cpu_decoder.cpp", "csrc/cpu_quant_kernels.cpp"],
+            include_dirs=["csrc"],
+            depends=["csrc/cpu_quant_kernels.h"],
+            # the SIMD kernels carry their own target attributes and are chosen at run time
+            # (__builtin_cpu_supports), so the module runs on any x86-64 CPU it is copied to
+            extra_compile_args=["-O3"],
         )
     )
 else:

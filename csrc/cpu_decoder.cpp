@@ -7,7 +7,8 @@
 // (docs/decisions.md, "The CPU decoder step in C++").
 #include <torch/extension.h>
 
-#include <algorithm>
+#include "cpu_quant_kernels.h"
+
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -16,72 +17,28 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kInt4Group = 32;  // cpu_quant.INT4_GROUP
-// int4 steps of at most this many rows add the zero correction in one loop (`add_zero_correction`)
-constexpr int64_t kFusedCorrectionRows = 8;
-
-// y[r, n] += sum_g (sum of rows[r, group g]) * residual[g, n], in float32, rounded once to bf16:
-// cpu_quant.Int4Linear's `y.add_(group_sums @ zero_residual)` without its three ATen calls (a
-// bf16 -> float32 copy, a sum, a matmul) for the few rows of a decode step. Only the float32
-// summation order of the correction differs from the matmul's.
-void add_zero_correction(Tensor& y, const Tensor& rows, const Tensor& residual) {
-  const int64_t n_rows = rows.size(0), k = rows.size(1), groups = residual.size(0);
-  const int64_t n = residual.size(1);
-  const auto* x = rows.data_ptr<at::BFloat16>();
-  const float* res = residual.data_ptr<float>();
-  auto* out = y.data_ptr<at::BFloat16>();
-  std::vector<float> sums(groups), acc(n);
-  for (int64_t r = 0; r < n_rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t j = 0; j < kInt4Group; ++j) s += static_cast<float>(x[r * k + g * kInt4Group + j]);
-      sums[g] = s;
-    }
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = sums[g];
-      const float* row = res + g * n;
-      for (int64_t c = 0; c < n; ++c) acc[c] += s * row[c];
-    }
-    at::BFloat16* o = out + r * n;
-    for (int64_t c = 0; c < n; ++c) o[c] = static_cast<float>(o[c]) + acc[c];
-  }
-}
-
-enum class LinearKind : int64_t { Dense = 0, Int8 = 1, Int4 = 2 };
+enum class LinearKind : int64_t {
+  Dense = 0,
+  Int8 = radix_cpu::kQuantInt8,
+  Int4 = radix_cpu::kQuantInt4
+};
 
 // One projection in one of the CPU weight formats (cpu_quant.py): y = x W^T (+ b).
 struct Projection {
   LinearKind kind;
-  Tensor weight;    // dense: [N, K]; int8: [N, K] int8; int4: the packed weight
-  Tensor scales;    // int8: [N] bf16; int4: scales_and_zeros [K/32, N, 2] bf16
-  Tensor residual;  // int4: the float32 zero correction [K/32, N]
-  Tensor bias;      // may be undefined
-  int64_t out_features;
+  Tensor weight;  // dense: [N, K]; int8 / int4: cpu_quant's packed tiles
+  Tensor bias;    // may be undefined
+  int64_t out_features, in_features;
+  int64_t act_passes;  // int8 / int4: cpu_quant.QuantLinear.act_passes
 
   Tensor operator()(const Tensor& x) const {
     if (kind == LinearKind::Dense) {
       return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     }
-    // cpu_quant._rows: contiguous bf16 rows
-    Tensor rows = x.reshape({-1, x.size(-1)}).to(at::kBFloat16).contiguous();
-    Tensor y;
-    if (kind == LinearKind::Int8) {
-      y = at::_weight_int8pack_mm(rows, weight, scales);
-    } else {
-      y = at::_weight_int4pack_mm_for_cpu(rows, weight, kInt4Group, scales);
-      if (rows.size(0) <= kFusedCorrectionRows && y.is_contiguous()) {
-        add_zero_correction(y, rows, residual);
-      } else {
-        Tensor group_sums =
-            at::sum(rows.view({rows.size(0), -1, kInt4Group}), {-1}, false, at::kFloat);
-        y.add_(at::mm(group_sums, residual));
-      }
-    }
-    if (bias.defined()) y = y + bias;
-    auto shape = x.sizes().vec();
-    shape.back() = out_features;
-    return y.view(shape);
+    // cpu_quant.QuantLinear.forward: the same kernel
+    std::optional<Tensor> b = bias.defined() ? std::optional<Tensor>(bias) : std::nullopt;
+    return radix_cpu::quant_linear(x, weight, static_cast<int64_t>(kind), out_features,
+                                   in_features, b, false, act_passes);
   }
 };
 
@@ -112,17 +69,18 @@ class CpuDecoder {
         eps_(eps),
         scale_(scale) {}
 
-  // `projections`: qkv, o, gate_up, down, each (kind, weight, scales, residual, bias, out_features)
+  // `projections`: qkv, o, gate_up, down, each
+  // (kind, weight, bias, out_features, in_features, act_passes)
   void add_layer(Tensor input_norm, Tensor post_norm,
-                 std::vector<std::tuple<int64_t, Tensor, std::optional<Tensor>,
-                                        std::optional<Tensor>, std::optional<Tensor>, int64_t>>
+                 std::vector<std::tuple<int64_t, Tensor, std::optional<Tensor>, int64_t, int64_t,
+                                        int64_t>>
                      projections) {
     TORCH_CHECK(projections.size() == 4, "a layer has 4 projections");
     std::vector<Projection> p;
-    for (auto& [kind, weight, scales, residual, bias, out_features] : projections) {
+    for (auto& [kind, weight, bias, out_features, in_features, passes] : projections) {
       TORCH_CHECK(kind >= 0 && kind <= 2, "unknown projection kind ", kind);
-      p.push_back(Projection{static_cast<LinearKind>(kind), weight, scales.value_or(Tensor()),
-                             residual.value_or(Tensor()), bias.value_or(Tensor()), out_features});
+      p.push_back(Projection{static_cast<LinearKind>(kind), weight, bias.value_or(Tensor()),
+                             out_features, in_features, passes});
     }
     layers_.push_back(Layer{input_norm, post_norm, p[0], p[1], p[2], p[3]});
   }
@@ -267,4 +225,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &CpuDecoder::add_layer)
       .def("bind_pool", &CpuDecoder::bind_pool)
       .def("forward", &CpuDecoder::forward, py::call_guard<py::gil_scoped_release>());
+  radix_cpu::bind_quant_kernels(m);
 }

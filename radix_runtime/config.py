@@ -171,13 +171,15 @@ class ServerArgs:
             raise ValueError("--cpu-weight-format applies to the CPU; leave it at auto on CUDA")
         if self.cpu_weight_format == "float32" and self.dtype in ("bfloat16", "float16"):
             raise ValueError("--cpu-weight-format float32 needs --dtype float32 or auto")
-        if self.cpu_weight_format in ("bfloat16", "int8", "int4") and self.dtype in (
-            "float32",
-            "float16",
-        ):
+        if self.cpu_weight_format == "bfloat16" and self.dtype in ("float32", "float16"):
             raise ValueError(
-                f"--cpu-weight-format {self.cpu_weight_format} runs bfloat16 activations: "
+                "--cpu-weight-format bfloat16 runs bfloat16 activations: "
                 "use --dtype bfloat16 or auto"
+            )
+        if self.cpu_weight_format in ("int8", "int4") and self.dtype in ("bfloat16", "float16"):
+            raise ValueError(
+                f"--cpu-weight-format {self.cpu_weight_format} runs float32 activations: "
+                "use --dtype float32 or auto"
             )
         if self.tool_call_parser not in ("auto", "hermes", "llama3"):
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}")
@@ -313,9 +315,9 @@ _HELP = {
     "token the worker just sampled on the device)",
     "cuda_graph_max_extend_tokens": "also replay CUDA graphs for prefill/mixed steps of up to this "
     "many tokens (padded to 64, 128, 192, 256, 384, 512, 1024...; 0 disables)",
-    "cpu_weight_format": "weights on the CPU: float32, bfloat16, or weight-only int8 / int4 "
-    "(bfloat16 activations); auto: float32, or bfloat16 with --dtype bfloat16 "
-    "(docs/cpu_weight_formats.md)",
+    "cpu_weight_format": "weights on the CPU: float32, bfloat16 (bfloat16 activations), or "
+    "int8 / int4 (float32 activations, our quantized kernels); auto: float32, or bfloat16 with "
+    "--dtype bfloat16 (docs/cpu_weight_formats.md)",
     "cpu_small_step_threads": "intra-op threads of a CPU step of at most 2 tokens (a batch-1 or "
     "-2 decode step; larger steps use all of the worker's threads); 0: all of them. One thread "
     "skips the OpenMP hand-offs that cost more than a second thread gains on such tiny matmuls "

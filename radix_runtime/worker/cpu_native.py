@@ -19,15 +19,16 @@ import logging
 
 import torch
 
+from radix_runtime.worker import cpu_quant
 from radix_runtime.worker.attention.torch_native import TorchNativeBackend
-from radix_runtime.worker.cpu_quant import Int4Linear, Int8Linear
+from radix_runtime.worker.cpu_quant import QuantLinear
 from radix_runtime.worker.kv_pool import KVPool
 from radix_runtime.worker.layers import Linear, RMSNorm
 from radix_runtime.worker.layers.linear import RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
-_DENSE, _INT8, _INT4 = 0, 1, 2
+_DENSE = 0  # and cpu_quant.KIND_INT8 / KIND_INT4
 
 
 def load_extension():
@@ -48,15 +49,14 @@ _EXTENSION = None
 
 
 def _projection(layer: torch.nn.Module) -> tuple | None:
-    """(kind, weight, scales, residual, bias, out_features) of a projection, None if not ours."""
-    if isinstance(layer, Int4Linear):
-        w, scales, residual = layer.weight_int4, layer.scales_and_zeros, layer.zero_residual
-        return _INT4, w, scales, residual, layer.bias, layer.out_features
-    if isinstance(layer, Int8Linear):
-        return _INT8, layer.weight_int8, layer.scales, None, layer.bias, layer.out_features
+    """(kind, weight, bias, out_features, in_features, act_passes) of a projection, None if
+    not ours."""
+    if isinstance(layer, QuantLinear):
+        shape = layer.out_features, layer.in_features
+        return layer.kind, layer.packed, layer.bias, *shape, layer.act_passes
     if type(layer) is Linear or (type(layer) is RowParallelLinear and layer.tp_size == 1):
         bias = None if layer.bias is None else layer.bias.data
-        return _DENSE, layer.weight.data, None, None, bias, layer.weight.shape[0]
+        return _DENSE, layer.weight.data, bias, *layer.weight.shape, 1
     return None
 
 
@@ -82,10 +82,11 @@ def _why_not(model, kv_pool: KVPool, attn) -> str | None:
         if any(type(n) is not RMSNorm for n in norms):
             return "another norm"
         a, mlp = layer.self_attn, layer.mlp
-        if any(
-            _projection(p) is None for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        ):
+        projections = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(_projection(p) is None for p in projections):
             return "a projection of another kind"
+        if cpu_quant.kernels() is None and any(isinstance(p, QuantLinear) for p in projections):
+            return "the quantized kernels' torch twin"
     return None
 
 

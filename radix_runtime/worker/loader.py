@@ -131,7 +131,8 @@ def load_model(
     if quantization != "none":  # --quantization / a quantized checkpoint: its own layers
         weight_format = "float32" if device.type == "cpu" else weight_format
     elif device.type == "cpu" and weight_format != "float32":
-        model, dtype = to_cpu_weight_format(model, weight_format, gguf_types), torch.bfloat16
+        model = to_cpu_weight_format(model, weight_format, gguf_types)
+        dtype = torch.bfloat16 if weight_format == "bfloat16" else torch.float32
     load_s = time.perf_counter() - t0
     logger.info(
         "loaded %s (%s, weights %s, CPU format %s) in %.2fs",
@@ -167,10 +168,11 @@ def resolve_cpu_weight_format(
 def to_cpu_weight_format(
     model: LlamaForCausalLM, weight_format: str, gguf_types: dict[str, str]
 ) -> LlamaForCausalLM:
-    """A float32 (or bf16) model -> bf16 activations with bf16 / int8 / int4 projections."""
+    """A float32 (or bf16) model -> bf16 weights and activations, or float32 activations with
+    int8 / int4 projections (cpu_quant's kernels quantize each activation row themselves)."""
     if weight_format in ("int8", "int4"):
-        model.float()
-        cpu_quant.quantize_model(model, weight_format, gguf_types)
+        cpu_quant.quantize_model(model.float(), weight_format, gguf_types)
+        return model
     return model.to(torch.bfloat16)
 
 

@@ -25,18 +25,37 @@ from radix_runtime.worker.model_runner import ModelRunner
 def test_int4_fits_hold_gguf_q4_grids_exactly():
     gen = torch.Generator().manual_seed(0)
     n, k = 16, 64
-    d = torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-3
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-3).half().float()  # GGUF: fp16
     q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
     q[..., 0], q[..., 1] = 0, 15  # Q4_1's quantizer puts the group's min at 0 and max at 15
-    q41 = (d * q + (-0.05 * torch.rand(n, k // 32, 1, generator=gen))).reshape(n, k)
+    m = (-0.05 * torch.rand(n, k // 32, 1, generator=gen)).half().float()
+    q41 = (d * q + m).reshape(n, k)
     q[..., 1] = 3  # Q4_0: the largest magnitude sits at q = 0 (-8 d); 15 need not occur
     q40 = (d * (q - 8)).reshape(n, k)
     for w, fit in ((q41, "asymmetric"), (q40, "symmetric")):
-        qs, sz = cpu_quant.int4_groups(w, fit)
-        torch.testing.assert_close(cpu_quant.dequantize_int4(qs, sz), w, rtol=0, atol=1e-6)
+        qs, ds, ms = cpu_quant.int4_groups(w, fit)
+        torch.testing.assert_close(cpu_quant.dequantize_int4(qs, ds, ms), w, rtol=0, atol=1e-6)
+        # the packed layout holds the same (q, d, m)
+        q2, d2, m2 = cpu_quant.unpack(cpu_quant.pack_int4(qs, ds, ms), cpu_quant.KIND_INT4)
+        assert torch.equal(q2, qs.int()) and torch.equal(d2, ds.float())
+        assert torch.equal(m2, ms.float())
     # a symmetric grid fitted asymmetrically is off by up to half a step: the fit matters
-    qs, sz = cpu_quant.int4_groups(q40, "asymmetric")
-    assert (cpu_quant.dequantize_int4(qs, sz) - q40).abs().max() > 1e-4
+    qs, ds, ms = cpu_quant.int4_groups(q40, "asymmetric")
+    assert (cpu_quant.dequantize_int4(qs, ds, ms) - q40).abs().max() > 1e-4
+
+
+def test_int8_blocks_hold_gguf_q8_0_exactly():
+    gen = torch.Generator().manual_seed(3)
+    n, k = 20, 96  # rows not a multiple of a tile
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-3).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q[..., 0] = 127  # Q8_0's quantizer puts the block's largest magnitude at +-127
+    w = (d * q).reshape(n, k)
+    qs, ds = cpu_quant.quantize_int8(w)
+    torch.testing.assert_close(cpu_quant.dequantize_int8(qs, ds), w, rtol=0, atol=0)
+    q2, d2, _ = cpu_quant.unpack(cpu_quant.pack_int8(qs, ds), cpu_quant.KIND_INT8)
+    assert torch.equal(q2[:n], qs.int()) and torch.equal(d2[:n], ds.float())
+    assert not q2[n:].any()  # the tile's padding rows
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -47,20 +66,19 @@ def test_quantized_linear_matches_its_dequantized_weights(fmt):
     x = torch.randn(5, 128, generator=gen)
     if fmt == "int8":
         lin = cpu_quant.Int8Linear(w, bias)
-        q, s = cpu_quant.quantize_int8(w)
-        w_eff = q.float() * s.float()[:, None]
+        w_eff = cpu_quant.dequantize_int8(*cpu_quant.quantize_int8(w))
     else:
         lin = cpu_quant.Int4Linear(w, bias, "asymmetric")
-        qs, sz = cpu_quant.int4_groups(w)
-        w_eff = cpu_quant.dequantize_int4(qs, sz.bfloat16().float())
+        w_eff = cpu_quant.dequantize_int4(*cpu_quant.int4_groups(w))
     y = lin(x.bfloat16()).float()
-    ref = x.bfloat16().float() @ w_eff.T + bias.bfloat16().float()
-    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+    ref = x.bfloat16().float() @ w_eff.T + bias
+    # the activations are quantized to int8 per block of 32: ~0.4% of each block's largest value
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=3e-2)
     # a strided view (rows wider than the features, as a slice of a fused projection) reads right
     wide = torch.zeros(5, 160, dtype=torch.bfloat16)
     wide[:, :128] = x.bfloat16()
     torch.testing.assert_close(lin(wide[:, :128]).float(), y, rtol=0, atol=0)
-    assert (w_eff - w).abs().max() < (0.02 if fmt == "int8" else 0.05)
+    assert (w_eff - w).abs().max() < (0.002 if fmt == "int8" else 0.05)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +89,8 @@ def test_quantized_linear_matches_its_dequantized_weights(fmt):
     "changes",
     [
         {"cpu_weight_format": "int3"},
-        {"cpu_weight_format": "int4", "dtype": "float32"},
+        {"cpu_weight_format": "int4", "dtype": "bfloat16"},
+        {"cpu_weight_format": "bfloat16", "dtype": "float32"},
         {"cpu_weight_format": "bfloat16", "dtype": "float16"},
         {"cpu_weight_format": "float32", "dtype": "bfloat16"},
         {"cpu_weight_format": "int8", "device": "cuda"},
@@ -184,7 +203,8 @@ def float32_runs(prompts):
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
 def test_logits_within_tolerance_of_float32(fmt, prompts, float32_runs, tokenizer):
     r = runner(fmt)
-    assert r.weight_format == fmt and r.dtype == torch.bfloat16
+    assert r.weight_format == fmt
+    assert r.dtype == (torch.bfloat16 if fmt == "bfloat16" else torch.float32)
     for prompt, (ref_tokens, ref_logits) in zip(prompts, float32_runs):
         tokens, logits = generate(r, prompt, NEW_TOKENS)
         diff = (logits[-1] - ref_logits[-1]).abs().max().item()

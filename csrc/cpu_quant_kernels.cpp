@@ -1,0 +1,515 @@
+// Quantized CPU linears for a decode step read at memory speed (worker/cpu_quant.py holds the
+// layout's definition and a plain-torch twin of every step).
+//
+// Weights, repacked once at load into the order the kernel streams: tiles of 16 output rows; per
+// tile and per block of 32 input columns one record:
+//   int4: 4 x 64 bytes of nibbles, then 16 fp16 scales d, then 16 fp16 offsets m (w = d*q + m,
+//         q in 0..15): byte (j, row i, t) holds q[i][4j+t] in its low nibble and q[i][16+4j+t] in
+//         its high one, so one AND and one shift unpack 2 x 64 weights ready for VNNI;
+//   int8: 8 x 64 bytes of u = q + 128 (q in -128..127), then 16 fp16 scales d (w = d*q).
+// Byte (j, i, t) is input column 4j+t of row i: `vpdpbusd` multiplies 4 consecutive weight bytes
+// of each of 16 rows with the same 4 activation bytes (broadcast) and sums them into that row's
+// int32 lane.
+//
+// Activations: each row quantized per block of 32 to int8 (scale dx = amax / 127, round to
+// nearest even; sx = the block's sum of quantized values) - the same for one row whatever else
+// is in the call. Per row, tile and block the integer dot is exact; the float epilogue is, in
+// block order, acc = fma(dot, d * dx, acc) [int4: then acc = fma(m, dx * sx, acc)], the same
+// instructions on every ISA path, so AVX512, AVX2 and scalar give the same bits, and so do 1 or
+// N rows, 1 or N threads.
+#include "cpu_quant_kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace radix_cpu {
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kTile = 16;   // output rows per tile (one 512-bit int32 / float vector)
+constexpr int64_t kBlock = 32;  // input columns per block (one activation scale)
+constexpr int64_t kInt4Record = 4 * 64 + 2 * 32;
+constexpr int64_t kInt8Record = 8 * 64 + 32;
+constexpr int kRowGroup = 4;  // quantized rows per pass over a tile's weights (registers; even:
+                              // both passes of a two-pass row fall in one group)
+
+// One call's quantized activation rows.
+struct Act {
+  const int8_t* xq;   // [R, B * 32]
+  const float* dx;    // [R, B] block scales
+  const float* mdx;   // [R, B] dx * sx (the int4 offset term's factor)
+  const int32_t* sx;  // [R, B] block sums of xq
+  int64_t blocks;
+};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// activation quantization: src row (float32 or bf16 converted to float32) -> int8 blocks
+
+template <typename T>
+void quantize_row_scalar(const T* x, int64_t k, int64_t blocks, int8_t* xq, float* dx, float* mdx,
+                         int32_t* sx) {
+  float buf[kBlock];
+  for (int64_t b = 0; b < blocks; ++b) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int64_t c = b * kBlock + j;
+      buf[j] = c < k ? static_cast<float>(x[c]) : 0.f;
+      amax = std::max(amax, std::fabs(buf[j]));
+    }
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(buf[j] * id));
+      xq[b * kBlock + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    dx[b] = d;
+    sx[b] = sum;
+    mdx[b] = d * static_cast<float>(sum);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_avx512(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_avx512(
+    const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The same arithmetic as quantize_row_scalar (max, one division, one reciprocal, x * id rounded
+// to nearest even) on 16 lanes; a row whose width is not a multiple of 32 takes the scalar way.
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_avx512(
+    const T* x, int64_t k, int64_t blocks, int8_t* xq, float* dx, float* mdx, int32_t* sx) {
+  if (k % kBlock) return quantize_row_scalar(x, k, blocks, xq, dx, mdx, sx);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 v0 = load16_avx512(x + b * kBlock), v1 = load16_avx512(x + b * kBlock + 16);
+    __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+    const float amax = _mm512_reduce_max_ps(a);
+    const float d = amax / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const __m512 vid = _mm512_set1_ps(id);
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, vid), kRound));
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vid), kRound));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    dx[b] = d;
+    sx[b] = sum;
+    mdx[b] = d * static_cast<float>(sum);
+  }
+}
+
+// The second pass of a two-pass row: what the first left, x - d * q (one exact fma a value, the
+// same on every path), over the padded width.
+template <typename T>
+void residual_row(const T* x, int64_t k, int64_t blocks, const int8_t* q, const float* d,
+                  float* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int64_t c = b * kBlock + j;
+      const float v = c < k ? static_cast<float>(x[c]) : 0.f;
+      out[c] = std::fma(-d[b], static_cast<float>(q[c]), v);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// tile kernels: `nr` (<= kRowGroup) activation rows from r0 against one tile's records;
+// acc[r * 16 + i] += row r0 + r's sum for the tile's output row i
+
+void int4_tile_scalar(const uint8_t* rec, const Act& a, int64_t r0, int nr, float* acc) {
+  for (int64_t b = 0; b < a.blocks; ++b, rec += kInt4Record) {
+    for (int r = 0; r < nr; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xq = a.xq + row * a.blocks * kBlock + b * kBlock;
+      const float dx = a.dx[row * a.blocks + b], mdx = a.mdx[row * a.blocks + b];
+      for (int64_t i = 0; i < kTile; ++i) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 4; ++j) {
+          for (int64_t t = 0; t < 4; ++t) {
+            const uint8_t byte = rec[j * 64 + i * 4 + t];
+            dot += (byte & 0x0F) * xq[4 * j + t] + (byte >> 4) * xq[16 + 4 * j + t];
+          }
+        }
+        const float d = half_to_float(rec + 256 + 2 * i), m = half_to_float(rec + 288 + 2 * i);
+        float& s = acc[r * kTile + i];
+        s = std::fma(static_cast<float>(dot), d * dx, s);
+        s = std::fma(m, mdx, s);
+      }
+    }
+  }
+}
+
+void int8_tile_scalar(const uint8_t* rec, const Act& a, int64_t r0, int nr, float* acc) {
+  for (int64_t b = 0; b < a.blocks; ++b, rec += kInt8Record) {
+    for (int r = 0; r < nr; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xq = a.xq + row * a.blocks * kBlock + b * kBlock;
+      const float dx = a.dx[row * a.blocks + b];
+      for (int64_t i = 0; i < kTile; ++i) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 8; ++j) {
+          for (int64_t t = 0; t < 4; ++t) {
+            dot += (static_cast<int32_t>(rec[j * 64 + i * 4 + t]) - 128) * xq[4 * j + t];
+          }
+        }
+        const float d = half_to_float(rec + 512 + 2 * i);
+        float& s = acc[r * kTile + i];
+        s = std::fma(static_cast<float>(dot), d * dx, s);
+      }
+    }
+  }
+}
+
+#define RR_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+template <int NR>
+RR_AVX512_VNNI void int4_tile_vnni_n(const uint8_t* rec, const Act& a, int64_t r0, float* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_loadu_ps(out + r * kTile);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t kp = a.blocks * kBlock;
+  for (int64_t b = 0; b < a.blocks; ++b, rec += kInt4Record) {
+    __m512i w[8];
+    for (int j = 0; j < 4; ++j) {
+      __m512i p = _mm512_loadu_si512(rec + 64 * j);
+      w[j] = _mm512_and_si512(p, low);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 288)));
+    for (int r = 0; r < NR; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xq = a.xq + row * kp + b * kBlock;
+      // two dependency chains of 4 (vpdpbusd's latency, not its throughput, bounds one chain)
+      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        dot0 = _mm512_dpbusd_epi32(dot0, w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+        dot1 = _mm512_dpbusd_epi32(dot1, w[j + 4], _mm512_set1_epi32(load_i32(xq + 16 + 4 * j)));
+      }
+      __m512i dot = _mm512_add_epi32(dot0, dot1);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[row * a.blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.mdx[row * a.blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+template <int NR>
+RR_AVX512_VNNI void int8_tile_vnni_n(const uint8_t* rec, const Act& a, int64_t r0, float* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_loadu_ps(out + r * kTile);
+  const int64_t kp = a.blocks * kBlock;
+  for (int64_t b = 0; b < a.blocks; ++b, rec += kInt8Record) {
+    __m512i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(rec + 64 * j);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 512)));
+    for (int r = 0; r < NR; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xq = a.xq + row * kp + b * kBlock;
+      // two dependency chains of 4 (vpdpbusd's latency, not its throughput, bounds one chain)
+      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        dot0 = _mm512_dpbusd_epi32(dot0, w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+        dot1 = _mm512_dpbusd_epi32(dot1, w[j + 4], _mm512_set1_epi32(load_i32(xq + 16 + 4 * j)));
+      }
+      __m512i dot = _mm512_add_epi32(dot0, dot1);
+      // the weights are stored as q + 128: take 128 x the block's activation sum back out
+      dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a.sx[row * a.blocks + b]));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[row * a.blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+#define RR_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// AVX2: the tile as two halves of 8 rows (32 bytes of each 64-byte record vector);
+// u8 x s8 pairs through vpmaddubsw (no saturation: int4 weights are <= 15, int8 ones go through
+// |w| x sign(x, w) as a signed product) and vpmaddwd into int32 lanes.
+RR_AVX2 void int4_tile_avx2(const uint8_t* rec0, const Act& a, int64_t r0, int nr, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t kp = a.blocks * kBlock;
+  for (int r = 0; r < nr; ++r) {
+    const int64_t row = r0 + r;
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc = _mm256_loadu_ps(out + r * kTile + 8 * h);
+      const uint8_t* rec = rec0;
+      for (int64_t b = 0; b < a.blocks; ++b, rec += kInt4Record) {
+        const int8_t* xq = a.xq + row * kp + b * kBlock;
+        __m256i dot = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
+          __m256i lo = _mm256_and_si256(p, low);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+          __m256i xl = _mm256_set1_epi32(load_i32(xq + 4 * j));
+          __m256i xh = _mm256_set1_epi32(load_i32(xq + 16 + 4 * j));
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones));
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones));
+        }
+        const __m256 d =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256 + 16 * h)));
+        const __m256 m =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 288 + 16 * h)));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.dx[row * a.blocks + b]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc);
+        acc = _mm256_fmadd_ps(m, _mm256_set1_ps(a.mdx[row * a.blocks + b]), acc);
+      }
+      _mm256_storeu_ps(out + r * kTile + 8 * h, acc);
+    }
+  }
+}
+
+RR_AVX2 void int8_tile_avx2(const uint8_t* rec0, const Act& a, int64_t r0, int nr, float* out) {
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const int64_t kp = a.blocks * kBlock;
+  for (int r = 0; r < nr; ++r) {
+    const int64_t row = r0 + r;
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc = _mm256_loadu_ps(out + r * kTile + 8 * h);
+      const uint8_t* rec = rec0;
+      for (int64_t b = 0; b < a.blocks; ++b, rec += kInt8Record) {
+        const int8_t* xq = a.xq + row * kp + b * kBlock;
+        __m256i dot = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * j + 32 * h));
+          __m256i w = _mm256_xor_si256(u, bias);  // q + 128 -> q (signed)
+          __m256i x = _mm256_set1_epi32(load_i32(xq + 4 * j));
+          __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, ones));
+        }
+        const __m256 d =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 512 + 16 * h)));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.dx[row * a.blocks + b]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc);
+      }
+      _mm256_storeu_ps(out + r * kTile + 8 * h, acc);
+    }
+  }
+}
+
+template <void (*F1)(const uint8_t*, const Act&, int64_t, float*),
+          void (*F2)(const uint8_t*, const Act&, int64_t, float*),
+          void (*F3)(const uint8_t*, const Act&, int64_t, float*),
+          void (*F4)(const uint8_t*, const Act&, int64_t, float*)>
+void by_rows(const uint8_t* rec, const Act& a, int64_t r0, int nr, float* out) {
+  switch (nr) {
+    case 1: return F1(rec, a, r0, out);
+    case 2: return F2(rec, a, r0, out);
+    case 3: return F3(rec, a, r0, out);
+    default: return F4(rec, a, r0, out);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// run-time choice of the path
+
+using TileFn = void (*)(const uint8_t*, const Act&, int64_t, int, float*);
+using QuantFn32 = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*, int32_t*);
+using QuantFn16 = void (*)(const at::BFloat16*, int64_t, int64_t, int8_t*, float*, float*,
+                           int32_t*);
+
+struct Isa {
+  const char* name;
+  TileFn int4, int8;
+  QuantFn32 quant32;
+  QuantFn16 quant16;
+};
+
+const Isa kIsas[] = {
+    {"avx512_vnni",
+     by_rows<int4_tile_vnni_n<1>, int4_tile_vnni_n<2>, int4_tile_vnni_n<3>, int4_tile_vnni_n<4>>,
+     by_rows<int8_tile_vnni_n<1>, int8_tile_vnni_n<2>, int8_tile_vnni_n<3>, int8_tile_vnni_n<4>>,
+     quantize_row_avx512<float>, quantize_row_avx512<at::BFloat16>},
+    {"avx2", int4_tile_avx2, int8_tile_avx2, quantize_row_scalar<float>,
+     quantize_row_scalar<at::BFloat16>},
+    {"scalar", int4_tile_scalar, int8_tile_scalar, quantize_row_scalar<float>,
+     quantize_row_scalar<at::BFloat16>},
+};
+
+bool supported(const Isa& isa) {
+  const std::string name = isa.name;
+  if (name == "avx512_vnni") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }
+  if (name == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  return true;
+}
+
+const Isa* find_isa(const std::string& name) {
+  for (const Isa& isa : kIsas) {
+    if (name == isa.name) return &isa;
+  }
+  return nullptr;
+}
+
+// The best path this CPU has, or RADIX_CPU_KERNEL_ISA's (when this CPU has it).
+const Isa* initial_isa() {
+  if (const char* env = std::getenv("RADIX_CPU_KERNEL_ISA")) {
+    const Isa* isa = find_isa(env);
+    if (isa != nullptr && supported(*isa)) return isa;
+  }
+  for (const Isa& isa : kIsas) {
+    if (supported(isa)) return &isa;
+  }
+  return &kIsas[2];
+}
+
+const Isa* g_isa = initial_isa();
+
+}  // namespace
+
+Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t kind, int64_t out_features,
+                    int64_t in_features, const std::optional<Tensor>& bias, bool float_out,
+                    int64_t act_passes) {
+  TORCH_CHECK(kind == kQuantInt8 || kind == kQuantInt4, "unknown quantized kind ", kind);
+  TORCH_CHECK(act_passes == 1 || act_passes == 2, "act_passes is 1 or 2, not ", act_passes);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
+              "packed weights: a contiguous uint8 [N/16, K/32, record] tensor");
+  const int64_t record = kind == kQuantInt4 ? kInt4Record : kInt8Record;
+  const int64_t tiles = packed.size(0), blocks = packed.size(1);
+  TORCH_CHECK(packed.size(2) == record, "packed record of ", packed.size(2), " bytes, not ", record);
+  TORCH_CHECK(out_features <= tiles * kTile && out_features > (tiles - 1) * kTile &&
+                  in_features <= blocks * kBlock && in_features > (blocks - 1) * kBlock,
+              "packed weights do not match ", out_features, " x ", in_features);
+  TORCH_CHECK(x.size(-1) == in_features, "input has ", x.size(-1), " features, not ", in_features);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "input must be float32 or bfloat16");
+  Tensor rows = x.reshape({-1, in_features}).contiguous();
+  const int64_t n_rows = rows.size(0), k = in_features, kp = blocks * kBlock;
+  const Isa* isa = g_isa;
+
+  // pass p of row r is quantized row r * act_passes + p: the passes of a row go through the tile
+  // kernel as neighbouring rows, its weights unpacked once for both
+  Tensor xq = at::empty({act_passes * n_rows, kp}, rows.options().dtype(at::kChar));
+  Tensor scales = at::empty({2, act_passes * n_rows, blocks}, rows.options().dtype(at::kFloat));
+  Tensor sums = at::empty({act_passes * n_rows, blocks}, rows.options().dtype(at::kInt));
+  auto* xq_p = xq.data_ptr<int8_t>();
+  float* dx_p = scales.data_ptr<float>();
+  float* mdx_p = dx_p + act_passes * n_rows * blocks;
+  auto* sx_p = sums.data_ptr<int32_t>();
+  const bool bf16 = rows.scalar_type() == at::kBFloat16;
+  const void* src = rows.data_ptr();
+  at::parallel_for(0, n_rows, std::max<int64_t>(1, 16384 / kp), [&](int64_t first, int64_t end) {
+    std::vector<float> residual(act_passes > 1 ? kp : 0);
+    for (int64_t r = first; r < end; ++r) {
+      const int64_t r1 = r * act_passes;
+      int8_t* q = xq_p + r1 * kp;
+      float *d = dx_p + r1 * blocks, *md = mdx_p + r1 * blocks;
+      if (bf16) {
+        const auto* x_r = static_cast<const at::BFloat16*>(src) + r * k;
+        isa->quant16(x_r, k, blocks, q, d, md, sx_p + r1 * blocks);
+        if (act_passes > 1) residual_row(x_r, k, blocks, q, d, residual.data());
+      } else {
+        const auto* x_r = static_cast<const float*>(src) + r * k;
+        isa->quant32(x_r, k, blocks, q, d, md, sx_p + r1 * blocks);
+        if (act_passes > 1) residual_row(x_r, k, blocks, q, d, residual.data());
+      }
+      if (act_passes > 1) {
+        const int64_t r2 = r1 + 1;
+        isa->quant32(residual.data(), kp, blocks, xq_p + r2 * kp, dx_p + r2 * blocks,
+                     mdx_p + r2 * blocks, sx_p + r2 * blocks);
+      }
+    }
+  });
+  const Act act{xq_p, dx_p, mdx_p, sx_p, blocks};
+
+  const auto out_dtype = float_out ? at::kFloat : rows.scalar_type();
+  Tensor y = at::empty({n_rows, out_features}, rows.options().dtype(out_dtype));
+  Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "bias has ", bias->numel(), " values");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const TileFn tile_fn = kind == kQuantInt4 ? isa->int4 : isa->int8;
+  const auto* w = packed.data_ptr<uint8_t>();
+  // split output tiles between threads; each tile's rows x blocks is a few microseconds at least
+  const int64_t grain =
+      std::max<int64_t>(1, 256 / (blocks * std::min<int64_t>(n_rows * act_passes, 8)));
+  const int64_t q_rows = n_rows * act_passes;
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    float acc[kRowGroup * kTile];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = t * kTile, width = std::min(kTile, out_features - c0);
+      for (int64_t q0 = 0; q0 < q_rows; q0 += kRowGroup) {
+        const int nq = static_cast<int>(std::min<int64_t>(kRowGroup, q_rows - q0));
+        std::fill(acc, acc + nq * kTile, 0.f);
+        tile_fn(w + t * blocks * record, act, q0, nq, acc);
+        for (int qr = 0; qr < nq; qr += act_passes) {
+          const float* s = acc + qr * kTile;
+          float sum[kTile];  // the passes' sums, in pass order
+          for (int64_t i = 0; i < width; ++i) {
+            float v = s[i];
+            for (int64_t p = 1; p < act_passes; ++p) v += s[p * kTile + i];
+            sum[i] = bias_p ? v + bias_p[c0 + i] : v;
+          }
+          const int64_t row = (q0 + qr) / act_passes;
+          if (out_dtype == at::kFloat) {
+            float* o = y.data_ptr<float>() + row * out_features + c0;
+            for (int64_t i = 0; i < width; ++i) o[i] = sum[i];
+          } else {
+            at::BFloat16* o = y.data_ptr<at::BFloat16>() + row * out_features + c0;
+            for (int64_t i = 0; i < width; ++i) o[i] = sum[i];
+          }
+        }
+      }
+    }
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = out_features;
+  return y.view(shape);
+}
+
+void bind_quant_kernels(pybind11::module& m) {
+  m.def("quant_linear", &quant_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y = x W^T (+ bias) for cpu_quant's packed int8 / int4 weights");
+  m.def("kernel_isa", []() { return std::string(g_isa->name); },
+        "the instruction set the quantized kernels use now");
+  m.def("kernel_isas", []() {
+    std::vector<std::string> names;
+    for (const Isa& isa : kIsas) {
+      if (supported(isa)) names.emplace_back(isa.name);
+    }
+    return names;
+  }, "the paths this CPU can run, best first");
+  m.def("set_kernel_isa", [](const std::string& name) {
+    const Isa* isa = find_isa(name);
+    TORCH_CHECK(isa != nullptr, "unknown kernel ISA ", name);
+    TORCH_CHECK(supported(*isa), "this CPU cannot run ", name);
+    g_isa = isa;
+  }, "force a path (tests, benchmarks): avx512_vnni, avx2 or scalar");
+}
+
+}  // namespace radix_cpu
