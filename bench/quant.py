@@ -482,7 +482,13 @@ def main() -> None:
     if not args.keep_configs:  # the variants below run this run's best GEMV configs
         results["applied_configs"] = apply_best_configs(results)
     for name in filter(None, args.variants.split(",")):
-        results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
+        try:
+            results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
+        except Exception as e:  # recorded; the other variants still run
+            results.setdefault("failed_variants", {})[name] = f"{type(e).__name__}: {e}"[:500]
+            print("variant", name, "failed:", e, flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
         if args.out:  # what was measured so far survives a later failure
             write_json(args.out, results)
     base = results["variants"].get("bf16")
