@@ -51,6 +51,7 @@ VARIANTS = {
     "fp8": {"quantization": "fp8"},
     "fp8_mma": {"quantization": "fp8"},
     "fp8_mma+head": {"quantization": "fp8", "quantize_lm_head": True},
+    "int4+head": {"quantization": "int4", "quantize_lm_head": True},
     "int4": {"quantization": "int4"},
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
@@ -60,6 +61,7 @@ VARIANT_KERNELS = {
     "fp8": {"fp8_mma_max_rows": 0},
     "fp8_mma": {"fp8_mma_max_rows": 16},
     "fp8_mma+head": {"fp8_mma_max_rows": 16},
+    "int4+head": {"fp8_mma_max_rows": 16},
 }
 
 

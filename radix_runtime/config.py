@@ -28,7 +28,7 @@ class ServerArgs:
     disable_cpu_native_decoder: bool = False
     # quantize an unquantized checkpoint at load: none | fp8 (W8A8) | int4 (RTN, accuracy only)
     quantization: str = "none"
-    # with FP8 weights: the LM head in FP8 too (per-row scales, W8A8 as the decoder projections)
+    # with quantized weights: the LM head in FP8 (per-row scales, W8A8 as FP8 projections)
     quantize_lm_head: bool = False
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # override the model's context length
@@ -385,9 +385,9 @@ _HELP = {
     "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128): packed "
     "W4A16 with the int4 GEMV on CUDA, kept dequantized on the CPU; quantized "
     "checkpoints (FP8, AWQ, GPTQ) are recognised from their config and need no flag",
-    "quantize_lm_head": "with FP8 weights (--quantization fp8 or an FP8 checkpoint): quantize the "
-    "LM head to FP8 as well (per-output-row scales, FP8 activations per token; off by default, "
-    "as vLLM's FP8 keeps it in the model dtype: it moves the logits, docs/quantization.md)",
+    "quantize_lm_head": "with quantized weights (--quantization fp8 / int4, or an FP8 / AWQ / GPTQ "
+    "checkpoint): the LM head in FP8 too (per-output-row scales, FP8 activations per token; off "
+    "by default, as vLLM keeps it in the model dtype: it moves the logits, docs/quantization.md)",
     "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
     "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "
     "memory; docs/quantization.md)",

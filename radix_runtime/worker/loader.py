@@ -124,9 +124,10 @@ def load_model(
     elif args.quantization == "int4" and quantization == "none":
         quant.quantize_model_int4_rtn(model, packed=packed_int4)
     if args.quantize_lm_head:
-        if model.quantization != "fp8":
+        if model.quantization == "none":
             raise UnsupportedModel(
-                "--quantize-lm-head needs FP8 weights (--quantization fp8 or an FP8 checkpoint)"
+                "--quantize-lm-head needs quantized weights (--quantization fp8 / int4, or an "
+                "FP8 / AWQ / GPTQ checkpoint)"
             )
         quant.quantize_lm_head_fp8(model)
     if model.quantization != "none":

@@ -147,8 +147,8 @@ def quantize_model_fp8(model: nn.Module) -> None:
 
 
 def quantize_lm_head_fp8(model: nn.Module) -> None:
-    """--quantize-lm-head: the LM head becomes an Fp8Linear (per-row scales) made from the head's
-    weight, or from the embedding table when the two are tied (the table itself stays in the
+    """--quantize-lm-head (FP8 or int4 decoder projections): the LM head becomes an Fp8Linear
+    (per-row scales) made from the head's weight, or from the embedding table when the two are tied (the table itself stays in the
     model dtype for the lookups)."""
     head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
     w = head.weight.data

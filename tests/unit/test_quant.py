@@ -232,7 +232,12 @@ def test_quantize_lm_head_fp8_matches_reference(tmp_path):
     diff = (ours - hf_logits(model, PROMPT)[: ours.shape[0]]).abs().max().item()
     assert diff < ATOL_W8A8, diff
     assert (ours - plain).abs().max() > 10 * ATOL  # the head's rounding moved the logits
-    with pytest.raises(UnsupportedModel, match="--quantize-lm-head needs FP8"):
+    # beside int4 projections too
+    int4_head, runner = _prompt_logits(_args(folder, quantization="int4", quantize_lm_head=True))
+    assert runner.model.lm_head.weight.dtype == torch.float8_e4m3fn
+    int4_plain, _ = _prompt_logits(_args(folder, quantization="int4"))
+    assert 0 < (int4_head - int4_plain).abs().max() < 10 * ATOL_W8A8
+    with pytest.raises(UnsupportedModel, match="--quantize-lm-head needs quantized"):
         ModelRunner(_args(folder, quantize_lm_head=True))
 
 
