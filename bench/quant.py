@@ -50,6 +50,7 @@ VARIANTS = {
     "bf16": {},
     "fp8": {"quantization": "fp8"},
     "fp8_mma": {"quantization": "fp8"},
+    "fp8_mma_all": {"quantization": "fp8"},
     "fp8_mma+head": {"quantization": "fp8", "quantize_lm_head": True},
     "int4+head": {"quantization": "int4", "quantize_lm_head": True},
     "int4": {"quantization": "int4"},
@@ -59,9 +60,8 @@ VARIANTS = {
 # a variant's KernelConfig fields beside the defaults (what it A/Bs against the variant without)
 VARIANT_KERNELS = {
     "fp8": {"fp8_mma_max_rows": 0},
-    "fp8_mma": {"fp8_mma_max_rows": 16},
-    "fp8_mma+head": {"fp8_mma_max_rows": 16},
-    "int4+head": {"fp8_mma_max_rows": 16},
+    "fp8_mma": {},  # the default: the tensor-core GEMV on wide FP8 products (fp8_mma_min_n)
+    "fp8_mma_all": {"fp8_mma_min_n": 0},  # on every FP8 projection
 }
 
 
@@ -285,9 +285,9 @@ def gemv_int4_sweep(top: int = 4) -> dict:
 
 
 # (BLOCK_N, BLOCK_K, warps, stages, swap) of kernels/fp8_gemv.py's tensor-core GEMV
-FP8_MMA_SWEEP = [(16, 512, 2, 4, 0), (16, 256, 4, 4, 0), (32, 256, 4, 4, 0), (32, 512, 4, 3, 0),
-                 (64, 256, 4, 4, 0), (64, 512, 4, 3, 0), (64, 256, 4, 4, 1), (64, 512, 4, 3, 1),
-                 (128, 256, 4, 3, 1), (128, 512, 8, 3, 1)]  # fmt: skip
+FP8_MMA_SWEEP = [(32, 512, 4, 3, 0), (64, 256, 4, 4, 0), (64, 256, 4, 4, 1), (64, 512, 4, 3, 1),
+                 (64, 1024, 4, 2, 1), (128, 256, 4, 3, 1), (128, 256, 8, 4, 1),
+                 (128, 512, 8, 3, 1)]  # fmt: skip
 # the LM head (a plain product): what an FP8 head would run
 MMA_CASES = (*ROW_CASES, ("lm_head", 128256, 4096, 0, False))
 

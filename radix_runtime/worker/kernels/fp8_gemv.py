@@ -31,10 +31,14 @@ from radix_runtime.worker.kernels.fp8_quant import quantize_rows_fp8_torch
 # the prologues (gemv.py's GEMV_* numbers)
 FP8_MMA_PLAIN, FP8_MMA_NORM, FP8_MMA_SILU, FP8_MMA_GELU = 0, 1, 2, 3
 FP8_MMA_MAX_ROWS = 16  # input rows of one call: one tensor-core tile of rows
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, swap) per (rows, cols, prologue, add) of the 8B
-# shape's one-token layer; other keys get FP8_MMA_DEFAULT_CONFIG
-FP8_MMA_DEFAULT_CONFIG = (32, 256, 4, 4, 0)
-FP8_MMA_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int, int, int]] = {}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, swap) per (rows, cols, prologue, add), measured on
+# the H200 by bench/quant.py's fp8_mma sweep (docs/results/h200_quant_fp8_mma.json, us per
+# product); other keys get FP8_MMA_DEFAULT_CONFIG
+FP8_MMA_DEFAULT_CONFIG = (128, 256, 4, 3, 1)
+FP8_MMA_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int, int, int]] = {
+    (28672, 4096, FP8_MMA_NORM, False): (128, 256, 4, 3, 1),  # Llama-3.1-8B gate_up 35.4
+    (128256, 4096, FP8_MMA_PLAIN, False): (64, 256, 4, 4, 1),  # its LM head (FP8) 128.5
+}
 
 
 @triton.jit
@@ -52,6 +56,24 @@ def _input_block(x_row, norm_ptr, col, ok, K, PROLOGUE: tl.constexpr):
     if PROLOGUE == 1:
         return v * tl.load(norm_ptr + col, mask=ok, other=0.0).to(tl.float32), v * v
     return v, v
+
+
+@triton.jit
+def _mma_step(acc, w, x_ptr, x_rows, norm_ptr, col, k_ok, m_ok, x_scale, K,
+              PROLOGUE: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
+    """acc += the weight block `w` times the input block at columns `col`, quantized to e4m3."""
+    if ONE_ROW:
+        v, _ = _input_block(x_ptr, norm_ptr, col, k_ok, K, PROLOGUE)
+        q = tl.clamp(v / x_scale, -448.0, 448.0).to(w.dtype)
+        xq = tl.broadcast_to(q[None, :], (BLOCK_M, BLOCK_K))
+    else:
+        ok = m_ok[:, None] & k_ok[None, :]
+        v, _ = _input_block(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
+        xq = tl.clamp(v / x_scale[:, None], -448.0, 448.0).to(w.dtype)
+    if SWAP:
+        return tl.dot(w, tl.trans(xq), acc)
+    return tl.dot(xq, tl.trans(w), acc)
 
 
 @triton.jit
@@ -73,8 +95,9 @@ def _fp8_mma_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_X: tl.constexpr,  # the first pass's step along the input (few steps: few round trips)
     SWAP: tl.constexpr,  # weights as the dot's first operand: [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched dependently: the first weight block loads before the wait
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -82,24 +105,28 @@ def _fp8_mma_gemv_kernel(
     m_ok = rm < M
     rk0 = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    w_ok = n_ok[:, None] & (rk0 < K)[None, :]
+    if USE_PDL:  # weights are never written by a kernel: their loads need not wait
+        w0 = tl.load(w_rows + rk0[None, :], mask=w_ok, other=0.0)
     pdl_wait(USE_PDL)
     # pass 1: each input row's max |f(x)| (its FP8 scale) and sum of squares
+    rx = tl.arange(0, BLOCK_X)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_stride
     if ONE_ROW:
-        amax_v = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        sq_v = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            col = k0 + rk0
+        amax_v = tl.zeros((BLOCK_X,), dtype=tl.float32)
+        sq_v = tl.zeros((BLOCK_X,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_X):
+            col = k0 + rx
             v, s = _input_block(x_ptr, norm_ptr, col, col < K, K, PROLOGUE)
             amax_v = tl.maximum(amax_v, tl.abs(v))
             sq_v += s
         amax = tl.max(amax_v, axis=0)
         sq = tl.sum(sq_v, axis=0)
     else:
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_stride
-        amax_t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        sq_t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            col = k0 + rk0
+        amax_t = tl.zeros((BLOCK_M, BLOCK_X), dtype=tl.float32)
+        sq_t = tl.zeros((BLOCK_M, BLOCK_X), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_X):
+            col = k0 + rx
             ok = m_ok[:, None] & (col < K)[None, :]
             v, s = _input_block(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
             amax_t = tl.maximum(amax_t, tl.abs(v))
@@ -115,22 +142,17 @@ def _fp8_mma_gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # pass 2: the weight stream, each input block quantized again as it is multiplied
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if USE_PDL:
+        acc = _mma_step(acc, w0, x_ptr, x_rows, norm_ptr, rk0, rk0 < K, m_ok, x_scale, K,
+                        PROLOGUE, ONE_ROW, BLOCK_M, BLOCK_K, SWAP)  # fmt: skip
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         col = k0 + rk0
         k_ok = col < K
         w = tl.load(w_rows + col[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if ONE_ROW:
-            v, _ = _input_block(x_ptr, norm_ptr, col, k_ok, K, PROLOGUE)
-            q = tl.clamp(v / x_scale, -448.0, 448.0).to(w.dtype)
-            xq = tl.broadcast_to(q[None, :], (BLOCK_M, BLOCK_K))
-        else:
-            ok = m_ok[:, None] & k_ok[None, :]
-            v, _ = _input_block(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
-            xq = tl.clamp(v / x_scale[:, None], -448.0, 448.0).to(w.dtype)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(xq), acc)
-        else:
-            acc = tl.dot(xq, tl.trans(w), acc)
+        acc = _mma_step(acc, w, x_ptr, x_rows, norm_ptr, col, k_ok, m_ok, x_scale, K,
+                        PROLOGUE, ONE_ROW, BLOCK_M, BLOCK_K, SWAP)  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     row_scale = x_scale
@@ -190,13 +212,15 @@ def fp8_mma_gemv(
             raise ValueError(f"fp8_mma_gemv: add_to must be a [{m}, {n}] tensor with unit stride")
         y = add_to
     key = (n, k, prologue, add_to is not None)
+    m_block = 1 if m == 1 else 16  # the first pass holds BLOCK_X inputs of each of its rows
     block_n, block_k, warps, stages, swap = config or FP8_MMA_CONFIGS.get(
         key, FP8_MMA_DEFAULT_CONFIG
     )
     _fp8_mma_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, w_scale, y, x if norm_weight is None else norm_weight, m, n, k, x.stride(0),
         y.stride(0), eps, PROLOGUE=prologue, ADD=add_to is not None, ONE_ROW=m == 1, BLOCK_M=16,
-        BLOCK_N=block_n, BLOCK_K=block_k, SWAP=bool(swap), num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_X=min(triton.next_power_of_2(k), 4096 // m_block),
+        SWAP=bool(swap), num_warps=warps, num_stages=stages,
         **pdl_launch(pdl),
     )  # fmt: skip
     return y

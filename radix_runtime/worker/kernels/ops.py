@@ -101,12 +101,13 @@ class FusedOps:
         return self.gemv(x, layer.weight, w_scale=getattr(layer, "weight_scale", None), **fused)
 
     def _fp8_mma(self, x: torch.Tensor, layer: torch.nn.Module) -> bool:
-        """Whether `x` through the FP8 `layer` takes the tensor-core GEMV (this config's row
-        limit; no bias; contiguous operands)."""
+        """Whether `x` through the FP8 `layer` takes the tensor-core GEMV (this config's limits
+        on input and output rows; no bias; contiguous operands)."""
         return (
             getattr(layer, "weight_scale", None) is not None
             and getattr(layer, "bias", None) is None
             and 1 <= x.shape[0] <= min(self.config.fp8_mma_max_rows, fp8_gemv.FP8_MMA_MAX_ROWS)
+            and layer.weight.shape[0] >= self.config.fp8_mma_min_n
             and x.stride(-1) == 1
             and layer.weight.is_contiguous()
         )
