@@ -51,6 +51,7 @@ VARIANTS = {
     "fp8": {"quantization": "fp8"},
     "fp8_mma": {"quantization": "fp8"},
     "fp8_mma_all": {"quantization": "fp8"},
+    "fp8+head": {"quantization": "fp8", "quantize_lm_head": True},
     "fp8_mma+head": {"quantization": "fp8", "quantize_lm_head": True},
     "int4+head": {"quantization": "int4", "quantize_lm_head": True},
     "int4": {"quantization": "int4"},
@@ -62,6 +63,7 @@ VARIANT_KERNELS = {
     "fp8": {"fp8_mma_max_rows": 0},
     "fp8_mma": {},  # the default: the tensor-core GEMV on wide FP8 products (fp8_mma_min_n)
     "fp8_mma_all": {"fp8_mma_min_n": 0},  # on every FP8 projection
+    "fp8+head": {"fp8_mma_min_n": 65536},  # on the FP8 LM head only
 }
 
 

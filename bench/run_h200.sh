@@ -184,7 +184,7 @@ for stage in "${stages[@]}"; do
                 --out "$OUT/h200_quant_kernels.json" || status=1 ;;
         fp8_mma)
             timeout 330 python3 bench/quant.py \
-                --variants bf16,fp8,fp8_mma,fp8_mma_all,fp8_mma+head,int4,int4+head --sweeps fp8_mma,prefill_gemm --out "$OUT/h200_quant_fp8_mma.json" || status=1
+                --variants bf16,fp8,fp8+head,fp8_mma,fp8_mma+head,int4,int4+head --sweeps fp8_mma,prefill_gemm --out "$OUT/h200_quant_fp8_mma.json" || status=1
             timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
                 tests/gpu/test_quant_gpu.py \
                 2>&1 | tail -30 | tee "$OUT/gpu_tests_fp8_mma.txt" || status=1 ;;

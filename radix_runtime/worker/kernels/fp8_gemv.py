@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
+from radix_runtime.worker.kernels._triton import pdl_launch, tl, triton
 from radix_runtime.worker.kernels.activation import gelu_tanh_and_mul_torch, silu_and_mul_torch
 from radix_runtime.worker.kernels.fp8_quant import quantize_rows_fp8_torch
 
@@ -71,9 +71,11 @@ def _mma_step(acc, w, x_ptr, x_rows, norm_ptr, col, k_ok, m_ok, x_scale, K,
         ok = m_ok[:, None] & k_ok[None, :]
         v, _ = _input_block(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
         xq = tl.clamp(v / x_scale[:, None], -448.0, 448.0).to(w.dtype)
-    if SWAP:
-        return tl.dot(w, tl.trans(xq), acc)
-    return tl.dot(xq, tl.trans(w), acc)
+    if SWAP:  # (one return: Triton types every return of a function alike)
+        acc = tl.dot(w, tl.trans(xq), acc)
+    else:
+        acc = tl.dot(xq, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit
@@ -97,7 +99,9 @@ def _fp8_mma_gemv_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_X: tl.constexpr,  # the first pass's step along the input (few steps: few round trips)
     SWAP: tl.constexpr,  # weights as the dot's first operand: [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]
-    USE_PDL: tl.constexpr,  # launched dependently: the first weight block loads before the wait
+    USE_PDL: tl.constexpr,  # launched dependently: the first weight block loads before the wait,
+    # and the next kernel launches only once the weight stream is done (its programs, waiting
+    # early, would hold the SM slots this kernel's later programs need)
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -108,7 +112,7 @@ def _fp8_mma_gemv_kernel(
     w_ok = n_ok[:, None] & (rk0 < K)[None, :]
     if USE_PDL:  # weights are never written by a kernel: their loads need not wait
         w0 = tl.load(w_rows + rk0[None, :], mask=w_ok, other=0.0)
-    pdl_wait(USE_PDL)
+        tl.extra.cuda.gdc_wait()  # (kernels/_triton.py's pdl_wait, without launching the next)
     # pass 1: each input row's max |f(x)| (its FP8 scale) and sum of squares
     rx = tl.arange(0, BLOCK_X)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_stride
@@ -153,6 +157,8 @@ def _fp8_mma_gemv_kernel(
         w = tl.load(w_rows + col[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _mma_step(acc, w, x_ptr, x_rows, norm_ptr, col, k_ok, m_ok, x_scale, K,
                         PROLOGUE, ONE_ROW, BLOCK_M, BLOCK_K, SWAP)  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if SWAP:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     row_scale = x_scale
