@@ -58,9 +58,10 @@ class KernelConfig:
     # the norm / SiLU / GELU prologues and residual adds fused as in the bf16 GEMV) instead of
     # the W8A16 GEMV at one row and per-token quantization + torch._scaled_mm beyond (0: off).
     # On the H200 it wins on wide products only (docs/results/h200_quant_fp8_mma.json, us per
-    # product, W8A16 in brackets): gate_up 28672x4096 35.4 (42.3), an FP8 LM head 128256x4096
-    # 128 (201; bf16 236); with 4,096 output rows its 64 programs of 64 rows (the tensor-core
-    # tile) leave half the SMs idle: o 10.8 (7.0), down 37.8 (21.9)
+    # product, W8A16 in brackets): gate_up 28672x4096 33.8 (41.3), an FP8 LM head 128256x4096
+    # 126 (195; bf16 237); with 4,096 output rows its 64 programs of 64 rows (the tensor-core
+    # tile) leave half the SMs idle: o 10.3 (7.1), down 34.2 (22.8). Batch-1 decode of the 8B
+    # shape: 2.778 ms against 2.792 with it off (FP8 LM head: 2.676 against 2.692)
     fp8_mma_max_rows: int = 16
     fp8_mma_min_n: int = 16384
 
