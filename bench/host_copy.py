@@ -14,6 +14,9 @@ every page on its own), the device pages a random permutation. Per run length, t
   the tier's loads are judged against; CPU: a host memcpy);
 - `load` / `write`: `HostKVPool.copy` (page-major pool, staging buffer, one copy per run on
   CUDA), until the device is done;
+- `layered_load` (CUDA): the same load layer by layer (`HostKVPool(layered=True)`, the
+  server's default `--hicache-load layer`: per layer one strided copy per run, scattered on a
+  second stream), until the device is done;
 - `previous_load` / `previous_write`: the path the tier had before (a layer-major pool
   [layers, 2, pages, ...]; a load gathers the pages on the host with index_select over the
   pages' dim into a freshly allocated pinned tensor, copies it, scatters on the device; a
@@ -103,17 +106,27 @@ def elapsed_s(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
-def batch_ops(pool, previous, src, dst, handles, plain) -> dict:
-    """name -> the call that queues one batch's copies that way."""
+def batch_ops(pool, previous, src, dst, handles, plain, layered=None) -> dict:
+    """name -> the call that queues one batch's copies that way (`layered`: a layered pool and
+    the list its load timings go to)."""
     none = np.zeros(0, np.int32)
     plain_src, plain_dst = plain
-    return {
+    ops = {
         "copy": lambda: plain_dst.copy_(plain_src, non_blocking=True),
         "load": lambda: handles.append(pool.copy(none, none, src, dst, False)),
         "write": lambda: pool.copy(dst, src, none, none, False),
         "previous_load": lambda: previous.load(src, dst),
         "previous_write": lambda: previous.write(dst, src),
     }
+    if layered is not None:
+        lpool, lhandles = layered
+
+        def layered_load():
+            lhandles.append(lpool.copy(none, none, src, dst, False))
+            lpool.flush_layer_waits()  # the compute stream waits (a step would, per layer)
+
+        ops["layered_load"] = layered_load
+    return ops
 
 
 def main(argv=None) -> int:
@@ -139,6 +152,10 @@ def main(argv=None) -> int:
         b.copy_(torch.randn(b.shape, device=device).to(dtype))
     host_pages = 2 * pages + 1
     pool, previous = HostKVPool(dev, host_pages), PreviousPath(dev, host_pages)
+    lpool = HostKVPool(dev, host_pages, layered=True) if cuda else None
+    if lpool is not None and not lpool.layered:
+        print("no cudaMemcpy2DAsync: no layered_load")
+        lpool = None
     nbytes = pages * pool.page_bytes
 
     def sync():
@@ -153,7 +170,9 @@ def main(argv=None) -> int:
         src = host_ids(pages, run, host_pages, rng)
         dst = (1 + rng.permutation(pages)).astype(np.int32)
         handles: list = []
-        ops = batch_ops(pool, previous, src, dst, handles, (plain_src, plain_dst))
+        lhandles: list = []
+        ops = batch_ops(pool, previous, src, dst, handles, (plain_src, plain_dst),
+                        (lpool, lhandles) if lpool is not None else None)  # fmt: skip
         for fn in ops.values():  # warm-up (pinned allocations, kernels)
             fn()
             sync()
@@ -168,6 +187,9 @@ def main(argv=None) -> int:
         if cuda:
             row["load_event_s"] = min(HostKVPool.load_time(h) for h in handles)
             row["load_event_bytes_per_s_over_copy"] = seconds["copy"] / row["load_event_s"]
+        if lhandles:
+            row["layered_load_event_s"] = min(HostKVPool.load_time(h) for h in lhandles)
+            row["layered_load_event_over_copy"] = seconds["copy"] / row["layered_load_event_s"]
         row["runs"] = int(-(-pages // run))
         results[f"run_{run}"] = row
         print(
