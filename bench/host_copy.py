@@ -15,8 +15,8 @@ every page on its own), the device pages a random permutation. Per run length, t
 - `load` / `write`: `HostKVPool.copy` (page-major pool, staging buffer, one copy per run on
   CUDA), until the device is done;
 - `layered_load` (CUDA): the same load layer by layer (`HostKVPool(layered=True)`, the
-  server's default `--hicache-load layer`: per layer one strided copy per run, scattered on a
-  second stream), until the device is done;
+  server's `--hicache-load layer`: per layer one strided copy per run, scattered on a second
+  stream), until the device is done;
 - `previous_load` / `previous_write`: the path the tier had before (a layer-major pool
   [layers, 2, pages, ...]; a load gathers the pages on the host with index_select over the
   pages' dim into a freshly allocated pinned tensor, copies it, scatters on the device; a
