@@ -14,6 +14,12 @@ every page on its own), the device pages a random permutation. Per run length, t
   the tier's loads are judged against; CPU: a host memcpy);
 - `load` / `write`: `HostKVPool.copy` (page-major pool, staging buffer, one copy per run on
   CUDA), until the device is done;
+- `load_unpipelined` (CUDA): the same load with `pipeline_loads` off (a load larger than the
+  staging buffer chunk after chunk on the copy stream, each chunk's scatter before the next
+  chunk's copy: the path before a second stream scattered one half while the other fills);
+- `layered_load` (CUDA): the same load layer by layer (`HostKVPool(layered=True)`, the
+  server's `--hicache-load layer`: per layer one strided copy per run, scattered on a second
+  stream), until the device is done;
 - `previous_load` / `previous_write`: the path the tier had before (a layer-major pool
   [layers, 2, pages, ...]; a load gathers the pages on the host with index_select over the
   pages' dim into a freshly allocated pinned tensor, copies it, scatters on the device; a
@@ -103,17 +109,37 @@ def elapsed_s(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
-def batch_ops(pool, previous, src, dst, handles, plain) -> dict:
-    """name -> the call that queues one batch's copies that way."""
+def batch_ops(pool, previous, src, dst, handles, plain, layered=None) -> dict:
+    """name -> the call that queues one batch's copies that way (`handles`: op -> the list its
+    load timings go to; `layered`: a layered pool and the list its load timings go to;
+    `previous`: None leaves its ops out)."""
     none = np.zeros(0, np.int32)
     plain_src, plain_dst = plain
-    return {
+    ops = {
         "copy": lambda: plain_dst.copy_(plain_src, non_blocking=True),
-        "load": lambda: handles.append(pool.copy(none, none, src, dst, False)),
+        "load": lambda: handles["load"].append(pool.copy(none, none, src, dst, False)),
         "write": lambda: pool.copy(dst, src, none, none, False),
-        "previous_load": lambda: previous.load(src, dst),
-        "previous_write": lambda: previous.write(dst, src),
     }
+    if previous is not None:
+        ops["previous_load"] = lambda: previous.load(src, dst)
+        ops["previous_write"] = lambda: previous.write(dst, src)
+    if pool.cuda:
+
+        def load_unpipelined():
+            pool.pipeline_loads = False
+            handles["load_unpipelined"].append(pool.copy(none, none, src, dst, False))
+            pool.pipeline_loads = True
+
+        ops["load_unpipelined"] = load_unpipelined
+    if layered is not None:
+        lpool, lhandles = layered
+
+        def layered_load():
+            lhandles.append(lpool.copy(none, none, src, dst, False))
+            lpool.flush_layer_waits()  # the compute stream waits (a step would, per layer)
+
+        ops["layered_load"] = layered_load
+    return ops
 
 
 def main(argv=None) -> int:
@@ -127,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ops", default=None,
+                   help="comma-separated ops to time besides copy (default: all)")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -138,7 +166,15 @@ def main(argv=None) -> int:
     for b in dev.k_buffers + dev.v_buffers:
         b.copy_(torch.randn(b.shape, device=device).to(dtype))
     host_pages = 2 * pages + 1
-    pool, previous = HostKVPool(dev, host_pages), PreviousPath(dev, host_pages)
+    wanted = set(args.ops.split(",")) if args.ops else None
+    want_previous = wanted is None or bool({"previous_load", "previous_write"} & wanted)
+    pool = HostKVPool(dev, host_pages)
+    previous = PreviousPath(dev, host_pages) if want_previous else None
+    want_layered = wanted is None or "layered_load" in wanted
+    lpool = HostKVPool(dev, host_pages, layered=True) if cuda and want_layered else None
+    if lpool is not None and not lpool.layered:
+        print("no cudaMemcpy2DAsync: no layered_load")
+        lpool = None
     nbytes = pages * pool.page_bytes
 
     def sync():
@@ -152,8 +188,12 @@ def main(argv=None) -> int:
     for run in [int(r) for r in args.run_lengths.split(",")]:
         src = host_ids(pages, run, host_pages, rng)
         dst = (1 + rng.permutation(pages)).astype(np.int32)
-        handles: list = []
-        ops = batch_ops(pool, previous, src, dst, handles, (plain_src, plain_dst))
+        handles: dict = {"load": [], "load_unpipelined": []}
+        lhandles: list = []
+        ops = batch_ops(pool, previous, src, dst, handles, (plain_src, plain_dst),
+                        (lpool, lhandles) if lpool is not None else None)  # fmt: skip
+        if wanted is not None:
+            ops = {k: f for k, f in ops.items() if k == "copy" or k in wanted}
         for fn in ops.values():  # warm-up (pinned allocations, kernels)
             fn()
             sync()
@@ -165,9 +205,13 @@ def main(argv=None) -> int:
         for k in ops:
             if k != "copy":
                 row[f"{k}_over_copy"] = seconds["copy"] / seconds[k]
-        if cuda:
-            row["load_event_s"] = min(HostKVPool.load_time(h) for h in handles)
-            row["load_event_bytes_per_s_over_copy"] = seconds["copy"] / row["load_event_s"]
+        for name, hs in handles.items():  # the loads' time as the server counts it
+            if cuda and hs:
+                row[f"{name}_event_s"] = min(HostKVPool.load_time(h) for h in hs)
+                row[f"{name}_event_over_copy"] = seconds["copy"] / row[f"{name}_event_s"]
+        if lhandles:
+            row["layered_load_event_s"] = min(HostKVPool.load_time(h) for h in lhandles)
+            row["layered_load_event_over_copy"] = seconds["copy"] / row["layered_load_event_s"]
         row["runs"] = int(-(-pages // run))
         results[f"run_{run}"] = row
         print(

@@ -49,9 +49,21 @@ from radix_runtime.worker.model_runner import ModelRunner
 VARIANTS = {
     "bf16": {},
     "fp8": {"quantization": "fp8"},
+    "fp8_mma": {"quantization": "fp8"},
+    "fp8_mma_all": {"quantization": "fp8"},
+    "fp8+head": {"quantization": "fp8", "quantize_lm_head": True},
+    "fp8_mma+head": {"quantization": "fp8", "quantize_lm_head": True},
+    "int4+head": {"quantization": "int4", "quantize_lm_head": True},
     "int4": {"quantization": "int4"},
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8+fp8_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+}
+# a variant's KernelConfig fields beside the defaults (what it A/Bs against the variant without)
+VARIANT_KERNELS = {
+    "fp8": {"fp8_mma_max_rows": 0},
+    "fp8_mma": {},  # the default: the tensor-core GEMV on wide FP8 products (fp8_mma_min_n)
+    "fp8_mma_all": {"fp8_mma_min_n": 0},  # on every FP8 projection
+    "fp8+head": {"fp8_mma_min_n": 65536},  # on the FP8 LM head only
 }
 
 
@@ -64,7 +76,10 @@ class QuantBench(Bench):
 
 
 def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
+    from radix_runtime.worker.kernels import KernelConfig
+
     t0 = time.perf_counter()
+    kernels = VARIANT_KERNELS.get(name)
     runner = ModelRunner(
         ServerArgs(
             model=args.model,
@@ -75,9 +90,15 @@ def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
             cuda_graph_max_bs=1,
             cuda_graph_max_extend_tokens=0,
             **flags,
-        )
+        ),
+        kernels=None if kernels is None else KernelConfig(**kernels),
     )
-    out = {"flags": flags, "init_s": time.perf_counter() - t0, "quantization": runner.quantization}
+    out = {
+        "flags": flags,
+        "kernels": kernels,
+        "init_s": time.perf_counter() - t0,
+        "quantization": runner.quantization,
+    }
     out["kv_cache_dtype"] = runner.kv_pool.kv_cache_dtype
     c = runner.config
     out["kv_bytes_per_token"] = KVPool.bytes_per_token(
@@ -265,20 +286,153 @@ def gemv_int4_sweep(top: int = 4) -> dict:
     return out
 
 
+# (BLOCK_N, BLOCK_K, warps, stages, swap) of kernels/fp8_gemv.py's tensor-core GEMV
+FP8_MMA_SWEEP = [(32, 512, 4, 3, 0), (64, 256, 4, 4, 0), (64, 256, 4, 4, 1), (64, 512, 4, 3, 1),
+                 (64, 1024, 4, 2, 1), (128, 256, 4, 3, 1), (128, 256, 8, 4, 1),
+                 (128, 512, 8, 3, 1)]  # fmt: skip
+# the LM head (a plain product): what an FP8 head would run
+MMA_CASES = (*ROW_CASES, ("lm_head", 128256, 4096, 0, False))
+
+
+def gemv_fp8_mma_sweep() -> dict:
+    """The W8A8 tensor-core GEMV (kernels/fp8_gemv.py) on the one-token layer's four cases and
+    the LM head's shape, over FP8_MMA_SWEEP, against the bf16 GEMV and the W8A16 FP8 GEMV
+    (kernels/gemv.py with `w_scale`, its table's config) on the same case: us per product and
+    weight TB/s, each over distinct weights beyond L2 in one CUDA graph; the best config's
+    relative error against `fp8_mma_gemv_torch`; on gate_up also 2-16 input rows against
+    per-token quantization + torch._scaled_mm (the FP8 layer's own forward)."""
+    from bench.gemv_sweep import graph_us
+    from radix_runtime.worker.kernels import fp8_gemv, gemv
+    from radix_runtime.worker.quant import fp8_linear_cuda
+
+    out = {}
+    for name, n, k, prologue, add in MMA_CASES:
+        x, kw = _row_inputs(n, k, prologue, add)
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(_copies(2 * n * k))]  # fmt: skip
+        case = {"bf16_us": graph_us([lambda w=w, x=x, kw=kw: gemv.gemv(x, w, **kw) for w in w16])}
+        del w16
+        ws = []
+        for _ in range(_copies(n * k)):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            scale = w.float().abs().amax(1) / 448.0
+            ws.append(((w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale))
+        del w
+        case["w8a16_us"] = graph_us(
+            [lambda w=w, x=x, kw=kw: gemv.gemv(x, w[0], w_scale=w[1], **kw) for w in ws]
+        )
+        sweep, errors = {}, {}
+        for cfg in FP8_MMA_SWEEP:
+            try:
+                sweep[cfg] = graph_us([
+                    lambda w=w, c=cfg, x=x, kw=kw: fp8_gemv.fp8_mma_gemv(x, *w, config=c, **kw)
+                    for w in ws
+                ])  # fmt: skip
+            except Exception as e:  # a tile Triton cannot lower: recorded, not fatal
+                errors[str(list(cfg))] = f"{type(e).__name__}: {str(e)[:200]}"
+        if sweep:
+            best = min(sweep, key=sweep.get)
+            kw1 = dict(kw)
+            if add:
+                kw1["add_to"] = kw["add_to"].clone()
+            got = fp8_gemv.fp8_mma_gemv(x, *ws[0], config=best, **kw1)
+            if add:
+                kw1["add_to"] = kw["add_to"].clone()
+            want = fp8_gemv.fp8_mma_gemv_torch(x, *ws[0], **kw1)
+            case.update(
+                mma_best_config=list(best),
+                mma_best_us=sweep[best],
+                mma_best_TBps=n * k / sweep[best] / 1e6,
+                mma_best_rel_err=((got.float() - want.float()).norm() / want.float().norm()).item(),
+                mma_vs_w8a16=case["w8a16_us"] / sweep[best],
+                mma_vs_bf16=case["bf16_us"] / sweep[best],
+            )
+        case["bf16_TBps"] = 2 * n * k / case["bf16_us"] / 1e6
+        case["w8a16_TBps"] = n * k / case["w8a16_us"] / 1e6
+        case["mma_us"] = {str(list(c)): t for c, t in sorted(sweep.items(), key=lambda kv: kv[1])}
+        case["mma_errors"] = errors
+        if name == "gate_up" and sweep:
+            rows = {}
+            for m in (2, 4, 8, 16):
+                xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                rows[m] = {
+                    "mma_us": graph_us(
+                        [
+                            lambda w=w, xm=xm, c=best: fp8_gemv.fp8_mma_gemv(xm, *w, config=c)
+                            for w in ws
+                        ]
+                    ),  # fmt: skip
+                    "scaled_mm_us": graph_us(
+                        [lambda w=w, xm=xm: fp8_linear_cuda(xm, w[0], w[1], None) for w in ws]
+                    ),
+                }
+            case["by_rows"] = rows
+        out[f"{name} {n}x{k}"] = case
+        del ws
+        torch.cuda.empty_cache()
+        print("gemv_fp8_mma", name, {k2: v for k2, v in case.items() if k2 != "mma_us"}, flush=True)
+    return out
+
+
+def prefill_gemm_probe(m: int = 8192) -> dict:
+    """The FP8 prefill's GEMMs at `m` tokens on the four projections of the 8B layer: cuBLAS
+    bf16, the FP8 layer's forward (per-token quantization kernel + row-wise torch._scaled_mm),
+    the row-wise and the tensor-wise _scaled_mm alone, and the quantization kernel alone (us)."""
+    from bench.gemv_sweep import graph_us
+    from radix_runtime.worker.kernels.fp8_quant import quantize_rows_fp8
+    from radix_runtime.worker.quant import fp8_linear_cuda
+
+    out = {}
+    for name, n, k, _, _ in ROW_CASES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        case = _prefill_case(x, w, graph_us, quantize_rows_fp8, fp8_linear_cuda)
+        out[f"{name} {n}x{k}"] = case
+        del x, w
+        torch.cuda.empty_cache()
+        print("prefill_gemm", name, case, flush=True)
+    return out
+
+
+def _prefill_case(x, w, graph_us, quantize_rows_fp8, fp8_linear_cuda, reps: int = 3) -> dict:
+    scale = w.float().abs().amax(1) / 448.0
+    wq = (w.float() / scale[:, None]).to(torch.float8_e4m3fn)
+    xq, xs = quantize_rows_fp8(x)
+    one = torch.ones((), device="cuda")
+
+    def rowwise():
+        return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=scale.view(1, -1),
+                                out_dtype=torch.bfloat16)  # fmt: skip
+
+    def tensorwise():
+        return torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    case = {
+        "bf16_us": graph_us([lambda: F.linear(x, w)] * reps),
+        "fp8_layer_us": graph_us([lambda: fp8_linear_cuda(x, wq, scale, None)] * reps),
+        "rowwise_mm_us": graph_us([rowwise] * reps),
+        "tensorwise_mm_us": graph_us([tensorwise] * reps),
+        "quantize_us": graph_us([lambda: quantize_rows_fp8(x)] * reps),
+    }
+    case["fp8_layer_vs_bf16"] = case["bf16_us"] / case["fp8_layer_us"]
+    return case
+
+
 def apply_best_configs(results: dict) -> dict:
     """The sweeps' best configs into kernels/gemv.py's FP8_GEMV_CONFIGS and kernels/int4_gemv.py's
     INT4_GEMV_CONFIGS (this process only), so that the variants measured next run them; returns
     what was applied (the tables to commit when they differ from the code's)."""
-    from radix_runtime.worker.kernels import gemv, int4_gemv
+    from radix_runtime.worker.kernels import fp8_gemv, gemv, int4_gemv
 
     applied: dict = {}
     for sweep, table, what in (
         ("gemv_fp8", gemv.FP8_GEMV_CONFIGS, "fp8_best_config"),
         ("gemv_int4", int4_gemv.INT4_GEMV_CONFIGS, "int4_best_config"),
+        ("gemv_fp8_mma", fp8_gemv.FP8_MMA_CONFIGS, "mma_best_config"),
     ):
-        for name, n, k, prologue, add in ROW_CASES:
+        for name, n, k, prologue, add in MMA_CASES:
             case = results.get(sweep, {}).get(f"{name} {n}x{k}")
-            if case is not None:
+            if case is not None and what in case:
                 table[(n, k, prologue, add)] = tuple(case[what])
                 applied.setdefault(sweep, {})[name] = case[what]
     return applied
@@ -291,7 +445,12 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--no-sweep", action="store_true", help="skip the FP8 and int4 GEMV sweeps")
-    p.add_argument("--sweeps", default="fp8,int4", help="which GEMV sweeps run (fp8, int4)")
+    p.add_argument(
+        "--sweeps",
+        default="fp8,int4",
+        help="which sweeps run (fp8, int4, fp8_mma: the tensor-core FP8 GEMV; prefill_gemm: the "
+        "FP8 prefill's GEMMs at 8K tokens)",
+    )
     p.add_argument(
         "--keep-configs",
         action="store_true",
@@ -316,10 +475,24 @@ def main() -> None:
         results["gemv_fp8"] = gemv_fp8_sweep()
         if args.out:
             write_json(args.out, results)
+    if "fp8_mma" in sweeps:
+        results["gemv_fp8_mma"] = gemv_fp8_mma_sweep()
+        if args.out:
+            write_json(args.out, results)
+    if "prefill_gemm" in sweeps:
+        results["prefill_gemm"] = prefill_gemm_probe(args.prefill_tokens)
+        if args.out:
+            write_json(args.out, results)
     if not args.keep_configs:  # the variants below run this run's best GEMV configs
         results["applied_configs"] = apply_best_configs(results)
     for name in filter(None, args.variants.split(",")):
-        results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
+        try:
+            results["variants"][name] = measure(name, VARIANTS[name], args, read_tbps)
+        except Exception as e:  # recorded; the other variants still run
+            results.setdefault("failed_variants", {})[name] = f"{type(e).__name__}: {e}"[:500]
+            print("variant", name, "failed:", e, flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
         if args.out:  # what was measured so far survives a later failure
             write_json(args.out, results)
     base = results["variants"].get("bf16")

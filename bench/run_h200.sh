@@ -23,6 +23,12 @@
 #   int4       bench/quant.py: the int4 and FP8 GEMV block sweeps on the one-token layer's fused
 #              GEMVs, then bf16, FP8 and packed int4 (W4A16) decode at batch 1 (with the sweeps'
 #              winners) and prefill 8K in one run -> $OUT/h200_quant_kernels.json
+#   fp8_mma    bench/quant.py: the W8A8 tensor-core GEMV's block sweep (the one-token layer's fused
+#              GEMVs and the LM head, against the W8A16 and bf16 GEMVs), the FP8 prefill's GEMMs at
+#              8K tokens, then bf16 / FP8 (W8A16 GEMV) / FP8 with the tensor-core GEMV (and an FP8
+#              LM head; fp8_mma: on products of >= 16,384 rows, the default) / int4 (+ FP8 head)
+#              decode at batch 1 and prefill 8K in one run, then
+#              tests/gpu/test_fp8_gemv_gpu.py -> $OUT/h200_quant_fp8_mma.json, $OUT/gpu_tests_fp8_mma.txt
 #   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
@@ -177,6 +183,12 @@ for stage in "${stages[@]}"; do
         int4)
             timeout 420 python3 bench/quant.py --variants bf16,fp8,int4 --sweeps int4,fp8 \
                 --out "$OUT/h200_quant_kernels.json" || status=1 ;;
+        fp8_mma)
+            timeout 330 python3 bench/quant.py \
+                --variants bf16,fp8,fp8+head,fp8_mma,fp8_mma+head,int4,int4+head \
+                --sweeps fp8_mma,prefill_gemm --out "$OUT/h200_quant_fp8_mma.json" || status=1
+            timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
+                2>&1 | tail -30 | tee "$OUT/gpu_tests_fp8_mma.txt" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
                 --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \

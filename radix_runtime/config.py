@@ -28,6 +28,8 @@ class ServerArgs:
     disable_cpu_native_decoder: bool = False
     # quantize an unquantized checkpoint at load: none | fp8 (W8A8) | int4 (RTN, accuracy only)
     quantization: str = "none"
+    # with quantized weights: the LM head in FP8 (per-row scales, W8A8 as FP8 projections)
+    quantize_lm_head: bool = False
     device: str = "auto"  # auto | cpu | cuda
     context_length: int | None = None  # override the model's context length
     served_model_name: str | None = None
@@ -72,6 +74,9 @@ class ServerArgs:
     hicache_write_policy: str = "write_through"  # write_through | write_back
     # arrival: a request's host-tier hit is loaded back when it arrives, not when it is admitted
     hicache_prefetch: str = "arrival"  # arrival | off
+    # step: a step waits for its whole load first; layer: each layer's attention waits for that
+    # layer's pages only (measured slower on the H200: docs/hicache.md)
+    hicache_load: str = "step"  # step | layer
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
@@ -211,6 +216,8 @@ class ServerArgs:
             raise ValueError("--hicache-write-policy must be write_through or write_back")
         if self.hicache_prefetch not in ("arrival", "off"):
             raise ValueError("--hicache-prefetch must be arrival or off")
+        if self.hicache_load not in ("step", "layer"):
+            raise ValueError("--hicache-load must be step or layer")
         if self.quantization not in _CHOICES["quantization"]:
             raise ValueError(f"unknown --quantization {self.quantization!r}")
         if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
@@ -236,6 +243,7 @@ class ServerArgs:
         unsupported = {
             "--dp > 1": self.dp > 1,
             f"--quantization {self.quantization}": self.quantization != "none",
+            "--quantize-lm-head": self.quantize_lm_head,
             f"--cpu-weight-format {self.cpu_weight_format}": self.cpu_weight_format
             in ("int8", "int4"),
             "--enable-hierarchical-cache": self.enable_hierarchical_cache,
@@ -379,11 +387,18 @@ _HELP = {
     "hicache_prefetch": "arrival: load a request's host-tier hit back as soon as the scheduler "
     "reads the request (also while a step runs), so the copy runs before the request's first "
     "step; off: load it with the request's first prefill chunk (docs/hicache.md)",
+    "hicache_load": "step: a step waits for its whole load from the host tier before its first "
+    "layer; layer: a CUDA load is copied layer by layer (strided copies) and each layer's "
+    "attention waits for that layer's pages only (the step then runs without a prefill CUDA "
+    "graph; measured slower on the H200, docs/hicache.md)",
     "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
     "per-output-channel scales and FP8 activations with per-token dynamic scales "
     "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128): packed "
     "W4A16 with the int4 GEMV on CUDA, kept dequantized on the CPU; quantized "
     "checkpoints (FP8, AWQ, GPTQ) are recognised from their config and need no flag",
+    "quantize_lm_head": "with quantized weights (--quantization fp8 / int4, or an FP8 / AWQ / GPTQ "
+    "checkpoint): the LM head in FP8 too (per-output-row scales, FP8 activations per token; off "
+    "by default, as vLLM keeps it in the model dtype: it moves the logits, docs/quantization.md)",
     "kv_cache_dtype": "KV pool element type: auto (the model's dtype) or fp8_e4m3 (FP8 with "
     "per-tensor scales from the checkpoint, else 1.0: twice the tokens of bf16 in the same "
     "memory; docs/quantization.md)",
@@ -401,6 +416,7 @@ _CHOICES = {
     "radix_tree_impl": ["auto", "cpp", "python"],
     "hicache_write_policy": ["write_through", "write_back"],
     "hicache_prefetch": ["arrival", "off"],
+    "hicache_load": ["step", "layer"],
     "tool_call_parser": ["auto", "hermes", "llama3"],
     "router_policy": list(ROUTER_POLICIES),
     "cache_isolation": ["none", "api-key"],

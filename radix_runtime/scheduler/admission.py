@@ -322,7 +322,10 @@ class Admission:
             early = req.prefetched_tokens  # (0 without a prefetch)
             self.kv.drop_prefetch(req)
             if req.cached_tokens < 0:
-                self._count_admission(req, match.length - early, host_len, loaded + early)
+                # host tokens matched now and not loaded are computed again (beyond those a
+                # prefetch loaded: a match that grew into host-only nodes since)
+                recomputed = host_len if host_len and not loaded else 0
+                self._count_admission(req, match.length - early, loaded + early, recomputed)
             self.queues.start(req)
             n_running += 1
             computing.append(req)
@@ -348,16 +351,16 @@ class Admission:
         held = max(math.ceil(kv_len / ps), len(req.pages))
         return max(math.ceil(final / ps) - held, 0)
 
-    def _count_admission(self, req: Req, matched: int, host_len: int, loaded: int) -> None:
-        """A request's first admission (a retried one is not counted again)."""
+    def _count_admission(self, req: Req, matched: int, loaded: int, recomputed: int) -> None:
+        """A request's first admission (a retried one is not counted again): `matched` tokens
+        on the device, `loaded` from the host tier, `recomputed` host-tier hits computed."""
         c = self.counters
         req.cached_tokens = matched + loaded
         req.host_cached_tokens = loaded
         c.prompt_tokens_total += len(req.prompt)
         c.cached_tokens_total += matched + loaded
         c.host_cached_tokens_total += loaded
-        if host_len and not loaded:
-            c.host_recomputed_tokens += host_len
+        c.host_recomputed_tokens += recomputed
         req.admitted_at = time.perf_counter()
         if self.stats is not None:
             self.stats.admitted(req.admitted_at - req.arrived_at)

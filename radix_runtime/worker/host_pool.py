@@ -33,7 +33,9 @@ were queued and no host thread ever waits for one:
   reads it, and after every write queued before it (the same stream): a page loaded includes
   the writes queued before, with no host wait.
 - the staging buffer is reused chunk after chunk and batch after batch in the stream's order;
-  nothing else touches it.
+  nothing else touches it. A load larger than it goes through its two halves in turn, each
+  half scattered on a second stream while the copy engine fills the other (the copy stream
+  waits for a half's scatter before refilling it, and for the last one when the load ends).
 Off CUDA (the CPU worker, and CI) both pools are host tensors and there is no staging buffer:
 per layer, K or V, one numpy fancy-index copy moves the batch's rows (a load: the host pages'
 rows of that layer into the device pool; a write: the reverse). numpy copies each row with one
@@ -52,6 +54,7 @@ import numpy as np
 import torch
 
 from radix_runtime.utils.runs import consecutive_runs
+from radix_runtime.worker.host_copy import memcpy_2d, memcpy_2d_available
 from radix_runtime.worker.kv_pool import KVPool, available_cpu_memory
 
 logger = logging.getLogger(__name__)
@@ -136,8 +139,14 @@ def last_per_destination(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, 
 
 class HostKVPool:
     def __init__(
-        self, device_pool: KVPool, num_pages: int, staging_bytes: int = STAGING_BYTES
+        self,
+        device_pool: KVPool,
+        num_pages: int,
+        staging_bytes: int = STAGING_BYTES,
+        layered: bool = False,
     ) -> None:
+        """`layered` (CUDA): loads go layer by layer and the step waits for each layer's pages
+        only before that layer's attention (`take_layer_waits`; --hicache-load layer)."""
         self.dev = device_pool
         self.num_pages = num_pages
         self.cuda = device_pool.device.type == "cuda"
@@ -153,22 +162,41 @@ class HostKVPool:
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size()
         # the staging buffer (CUDA): whole pages on the device, used by the side stream only
         self.chunk_pages = max(1, min(staging_bytes // self.page_bytes, d.num_pages))
-        self.stream = self.staging = None
+        self.stream = self.staging = self.scatter_stream = None
+        # layer by layer: one strided copy per run and layer (cudaMemcpy2DAsync); the scatters
+        # of a layered load, or of a load larger than the staging buffer, run on a second
+        # stream so the copy engine does not wait for them
+        self.layered = self.cuda and layered and memcpy_2d_available()
+        if self.cuda and layered and not self.layered:
+            logger.warning("no cudaMemcpy2DAsync: host-tier loads wait for the whole load")
+        # each layer's loads the next step's attention of that layer waits for (layered)
+        self._layer_waits: list[list[torch.cuda.Event]] = [[] for _ in range(d.num_layers)]
         if self.cuda:
             self.stream = torch.cuda.Stream(d.device)
+            self.scatter_stream = torch.cuda.Stream(d.device)
             with torch.cuda.stream(self.stream):
                 self.staging = torch.empty(
                     (self.chunk_pages, *page), dtype=d.dtype, device=d.device
                 )
+        # a load larger than the staging buffer alternates its halves, scattering one while the
+        # other fills (False: chunk after chunk on the copy stream, bench/host_copy.py's
+        # reference)
+        self.pipeline_loads = True
         self._last_write_event: torch.cuda.Event | None = None
-        # loads no step has waited for yet (copy's `needs`): (end event, device pages)
-        self._pending: list[tuple[torch.cuda.Event, np.ndarray]] = []
+        # loads no step has waited for yet (copy's `needs`): (end event, device pages, the
+        # per-layer events when layered, else None)
+        self._pending: list[tuple[torch.cuda.Event, np.ndarray, list | None]] = []
         # the copies move bytes: integer views of the same element size (index_copy_ has no
         # FP8 kernels)
         self._k = [_as_bits(b) for b in d.k_buffers]
         self._v = [_as_bits(b) for b in d.v_buffers]
         self._buffer = _as_bits(self.buffer)
         self._staging = _as_bits(self.staging) if self.cuda else None
+        # one layer of a page (its K and V): the rows of a layered load; the staging buffer
+        # seen as rows of one layer-page each
+        self.layer_bytes = self.page_bytes // d.num_layers
+        if self.layered:
+            self._staging_rows = self._staging.view(-1, *self._staging.shape[2:])
         if not self.cuda:  # numpy views of both pools: its fancy indexing copies whole rows
             flat = (num_pages, 2 * d.num_layers, *page[2:])
             self._np_pool = self._buffer.numpy().reshape(flat)
@@ -237,10 +265,14 @@ class HostKVPool:
                 write_waited=write_waits,
             )
         compute = torch.cuda.current_stream(self.dev.device)
+        # layered loads no step took (the runner takes them all): waited for here
+        untaken = self.take_layer_waits()
         before = None  # the compute stream, before it waits for any copy
-        if self._last_write_event is not None or len(write_src) or len(load_src):
+        if self._last_write_event is not None or len(write_src) or len(load_src) or untaken:
             before = torch.cuda.Event(enable_timing=True)
             before.record(compute)
+        for event in [e for events in untaken or () for e in events]:
+            compute.wait_event(event)
         if self._last_write_event is not None:
             compute.wait_event(self._last_write_event)  # the previous batch's writes
             self._last_write_event = None
@@ -349,12 +381,15 @@ class HostKVPool:
             event.record(self.stream)
         return event
 
-    def _copy_runs(self, host_ids, starts, lengths, a: int, b: int, load: bool) -> None:
+    def _copy_runs(
+        self, host_ids, starts, lengths, a: int, b: int, load: bool, at: int = 0
+    ) -> None:
         """Chunk [a, b) of a batch sorted by host page: each run of consecutive host pages is
-        one copy between the pool and the staging rows [0, b - a) (a load: pool -> staging)."""
+        one copy between the pool and the staging rows [at, at + b - a) (a load: pool ->
+        staging)."""
         for j, r in _runs_in(starts, lengths, a, b):
-            s = int(host_ids[j])
-            pool, staged = self._buffer[s : s + r], self._staging[j - a : j - a + r]
+            s, row = int(host_ids[j]), at + j - a
+            pool, staged = self._buffer[s : s + r], self._staging[row : row + r]
             if load:
                 staged.copy_(pool, non_blocking=True)
             else:
@@ -362,54 +397,152 @@ class HostKVPool:
 
     def _load_async(self, src: np.ndarray, dst: np.ndarray, compute, wait: bool, needs=None):
         """The loads (sorted by host page): those into `needs` first, the compute stream waiting
-        for them; the rest after them, held in `_pending` (all of them block with None)."""
+        for them (layered: each layer's attention for that layer's pages, `take_layer_waits`);
+        the rest after them, held in `_pending` (all of them are `needs` with None)."""
         own = np.ones(len(dst), bool) if needs is None else np.isin(dst, needs)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        held_layers = None
         with torch.cuda.stream(self.stream):
             if wait:
                 self.stream.wait_stream(compute)
             start.record(self.stream)
             if own.any():
-                self._load_group(src[own], dst[own])
-                if not own.all():
-                    own_end = torch.cuda.Event()
-                    own_end.record(self.stream)
-                    compute.wait_event(own_end)
+                if self.layered:
+                    for waits, event in zip(
+                        self._layer_waits, self._load_layers(src[own], dst[own])
+                    ):
+                        waits.append(event)
+                else:
+                    self._load_group(src[own], dst[own])
+                    if not own.all():
+                        own_end = torch.cuda.Event()
+                        own_end.record(self.stream)
+                        compute.wait_event(own_end)
             if not own.all():
-                self._load_group(src[~own], dst[~own])
+                if self.layered:
+                    held_layers = self._load_layers(src[~own], dst[~own])
+                else:
+                    self._load_group(src[~own], dst[~own])
             end.record(self.stream)
-        if own.all():
+        if not own.all():
+            self._pending.append((end, dst[~own], held_layers))
+        elif not self.layered:
             compute.wait_event(end)
-        else:
-            self._pending.append((end, dst[~own]))
         return start, end
 
     def _load_group(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Queue loads on the copy stream (the current stream here)."""
+        """Queue loads on the copy stream (the current stream here). A load larger than the
+        staging buffer goes through its two halves in turn, each half's scatter on the scatter
+        stream, so the copy engine fills one half while the other is scattered (the copy
+        stream waits for a half's scatter before refilling it, and for the last one at the
+        end)."""
         starts, lengths = self._count(src, load=True)
         idx = (
             torch.from_numpy(dst.astype(np.int64))
             .pin_memory()
             .to(self.dev.device, non_blocking=True)
         )
-        for a, b in self._chunks(len(src)):
-            self._copy_runs(src, starts, lengths, a, b, load=True)
-            self._scatter_device(idx[a:b], self._staging[: b - a])
+        half = self.chunk_pages // 2
+        if len(src) <= self.chunk_pages or half < 1 or not self.pipeline_loads:
+            for a, b in self._chunks(len(src)):
+                self._copy_runs(src, starts, lengths, a, b, load=True)
+                self._scatter_device(idx[a:b], self._staging[: b - a])
+            return
+        idx.record_stream(self.scatter_stream)
+        done: list[torch.cuda.Event] = []  # each chunk's scatter
+        for i, (a, b) in enumerate(self._chunks_of(len(src), half)):
+            at = (i % 2) * half
+            if i >= 2:  # the half's previous chunk is scattered
+                self.stream.wait_event(done[i - 2])
+            self._copy_runs(src, starts, lengths, a, b, load=True, at=at)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+            self.scatter_stream.wait_event(copied)
+            with torch.cuda.stream(self.scatter_stream):
+                self._scatter_device(idx[a:b], self._staging[at : at + b - a])
+                scattered = torch.cuda.Event()
+                scattered.record(self.scatter_stream)
+            done.append(scattered)
+        self.stream.wait_event(done[-1])  # the staging buffer is the copy stream's again
+
+    def _load_layers(self, src: np.ndarray, dst: np.ndarray) -> list[torch.cuda.Event]:
+        """Queue loads layer by layer (the copy stream is the current stream): per layer, one
+        strided copy per run of consecutive host pages (that layer's K and V of each page,
+        `page_bytes` apart in the pool) into a region of the staging buffer, then that layer's
+        scatter into the device pool on the scatter stream. The regions go round the staging
+        buffer, a region reused once its scatter is done, so the copy engine runs layer after
+        layer without waiting for the scatters. Returns, per layer, the event after its
+        scatter."""
+        starts, lengths = self._count(src, load=True)
+        idx = (
+            torch.from_numpy(dst.astype(np.int64))
+            .pin_memory()
+            .to(self.dev.device, non_blocking=True)
+        )
+        idx.record_stream(self.scatter_stream)
+        rows, lb, pb = self._staging_rows, self.layer_bytes, self.page_bytes
+        layers, handle = self.dev.num_layers, self.stream.cuda_stream
+        base = self.buffer.data_ptr()
+        events: list[torch.cuda.Event] = [None] * layers
+        for a, b in self._chunks_of(len(src), len(rows)):
+            n = b - a
+            slots = len(rows) // n
+            done: list[torch.cuda.Event] = []  # each use's scatter, in order
+            runs = list(_runs_in(starts, lengths, a, b))
+            for layer in range(layers):
+                if len(done) >= slots:  # the region's previous layer is scattered
+                    self.stream.wait_event(done[len(done) - slots])
+                region = rows[(layer % slots) * n : (layer % slots + 1) * n]
+                out = region.data_ptr()
+                for j, r in runs:
+                    host = base + (int(src[j]) * layers + layer) * lb
+                    memcpy_2d(out + (j - a) * lb, lb, host, pb, lb, r, handle)
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+                self.scatter_stream.wait_event(copied)
+                with torch.cuda.stream(self.scatter_stream):
+                    self._k[layer].index_copy_(0, idx[a:b], region[:, 0])
+                    self._v[layer].index_copy_(0, idx[a:b], region[:, 1])
+                    scattered = torch.cuda.Event()
+                    scattered.record(self.scatter_stream)
+                done.append(scattered)
+                events[layer] = scattered
+            # the staging buffer is the copy stream's again (the next chunk, batch, write)
+            self.stream.wait_event(done[-1])
+        return events
+
+    @staticmethod
+    def _chunks_of(n: int, size: int):
+        for a in range(0, n, size):
+            yield a, min(a + size, n)
+
+    def take_layer_waits(self) -> list[list[torch.cuda.Event]] | None:
+        """Layered loads: per layer, the events the next step's attention of that layer waits
+        for (its own loads, and held loads into its pages: `wait_pending`), handed over once;
+        None when there are none."""
+        waits, self._layer_waits = self._layer_waits, [[] for _ in self._layer_waits]
+        waits = [[e for e in events if not e.query()] for events in waits]  # done: no wait
+        return waits if any(waits) else None
 
     def wait_pending(self, pages: StepPages) -> CopyTiming | None:
         """Before a step that reads or writes `pages`: the compute stream waits for the loads
-        still held (`copy`'s `needs`) into any of them; the loads that are done are dropped.
-        The wait's timing (CUDA events), or None when nothing was waited for."""
+        still held (`copy`'s `needs`) into any of them (layered: each layer's attention for
+        that layer's copies, `take_layer_waits`); the loads that are done are dropped. The
+        wait's timing (CUDA events), or None when nothing was waited for here."""
         if not self._pending:
             return None
         waits, keep = [], []
-        for event, dst in self._pending:
+        for event, dst, layers in self._pending:
             if event.query():
                 continue
             if _touches(dst, pages.read) or _touches(dst, pages.written):
-                waits.append(event)
+                if layers is None:
+                    waits.append(event)
+                else:
+                    for w, e in zip(self._layer_waits, layers):
+                        w.append(e)
             else:
-                keep.append((event, dst))
+                keep.append((event, dst, layers))
         self._pending = keep
         if not waits:
             return None
@@ -420,6 +553,15 @@ class HostKVPool:
             compute.wait_event(event)
         after.record(compute)
         return CopyTiming(wait=(before, after))
+
+    def flush_layer_waits(self) -> CopyTiming | None:
+        """The compute stream waits now for every layered load handed to no step yet (a step
+        that cannot wait layer by layer: a CUDA graph replay). Its timing, or None."""
+        waits = self.take_layer_waits()
+        if waits is None:
+            return None
+        lw = LayerWaits(waits)
+        return lw.finish()
 
     def synchronize(self) -> None:
         """Every queued copy done (tests, shutdown)."""
@@ -446,7 +588,8 @@ class CopyTiming:
     events (a pair: from, to) or, on the CPU, seconds."""
 
     load: tuple | float | None = None  # the loads (CUDA: on the side stream)
-    wait: tuple | float | None = None  # the model's wait for the copies (CUDA: compute stream)
+    # the model's wait for the copies (CUDA: compute stream; a list: one per layer waited)
+    wait: tuple | list | float | None = None
     issue_s: float = 0.0  # the host's time in `copy` (CUDA: queueing the copies)
     load_waited: bool = False  # the loads waited for the running steps (a page of theirs)
     write_waited: bool = False  # the writes did
@@ -454,9 +597,49 @@ class CopyTiming:
     def ready(self) -> bool:
         """Whether its times can be read without waiting (CUDA: every event done; a load held
         for a later step may still run after the step it came with)."""
-        return all(
-            t is None or isinstance(t, float) or t[1].query() for t in (self.load, self.wait)
-        )
+        return all(_done(t) for t in (self.load, self.wait))
+
+
+def _done(timing) -> bool:
+    if timing is None or isinstance(timing, float):
+        return True
+    if isinstance(timing, list):
+        return all(_done(t) for t in timing)
+    return timing[1].query()
+
+
+class LayerWaits:
+    """One step's waits for the layered loads (`HostKVPool.take_layer_waits`): the attention
+    backend calls `before(layer)` before a layer reads the KV pool, and the compute stream waits
+    there for that layer's pages only; `finish` (after the model) waits for the layers no
+    attention reached and returns the waits' timing (CUDA events around each wait)."""
+
+    def __init__(self, waits: list[list[torch.cuda.Event]]) -> None:
+        self.waits = waits
+        self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def before(self, layer: int) -> None:
+        events = self.waits[layer]
+        if not events:
+            return
+        self.waits[layer] = []
+        self._wait(events)
+
+    def _wait(self, events: list[torch.cuda.Event]) -> None:
+        compute = torch.cuda.current_stream()
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        for event in events:
+            compute.wait_event(event)
+        after.record(compute)
+        self.timing.append((before, after))
+
+    def finish(self) -> CopyTiming | None:
+        left = [e for events in self.waits for e in events]
+        self.waits = [[] for _ in self.waits]
+        if left:
+            self._wait(left)
+        return CopyTiming(wait=list(self.timing)) if self.timing else None
 
 
 def _seconds(timing) -> float:
@@ -464,6 +647,8 @@ def _seconds(timing) -> float:
         return 0.0
     if isinstance(timing, float):
         return timing
+    if isinstance(timing, list):  # several waits (LayerWaits)
+        return sum(_seconds(t) for t in timing)
     start, end = timing
     end.synchronize()
     return max(start.elapsed_time(end), 0.0) / 1e3

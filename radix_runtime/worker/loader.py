@@ -123,6 +123,13 @@ def load_model(
         quant.quantize_model_fp8(model)
     elif args.quantization == "int4" and quantization == "none":
         quant.quantize_model_int4_rtn(model, packed=packed_int4)
+    if args.quantize_lm_head:
+        if model.quantization == "none":
+            raise UnsupportedModel(
+                "--quantize-lm-head needs quantized weights (--quantization fp8 / int4, or an "
+                "FP8 / AWQ / GPTQ checkpoint)"
+            )
+        quant.quantize_lm_head_fp8(model)
     if model.quantization != "none":
         quantization = model.quantization
     if source.kind != "gguf":

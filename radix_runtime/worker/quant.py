@@ -146,6 +146,20 @@ def quantize_model_fp8(model: nn.Module) -> None:
     model.quantization = "fp8"
 
 
+def quantize_lm_head_fp8(model: nn.Module) -> None:
+    """--quantize-lm-head (FP8 or int4 decoder projections): the LM head becomes an Fp8Linear
+    (per-row scales) made from the head's weight, or from the embedding table when the two are tied (the table itself stays in the
+    model dtype for the lookups)."""
+    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+    w = head.weight.data
+    with torch.device("meta"):
+        layer = Fp8Linear(w.shape[1], w.shape[0], False, w.dtype)
+    q, scale = quantize_rows_fp8(w)
+    layer.weight = nn.Parameter(q, requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+    model.lm_head = layer
+
+
 # ---------------------------------------------------------------------------------------------
 # int4 weight-only (W4A16)
 

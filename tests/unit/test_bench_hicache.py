@@ -82,6 +82,10 @@ def test_host_copy_bench_writes_its_ratios(tmp_path):
     for row in data["results"].values():
         for k in ("load", "write", "previous_load", "previous_write"):
             assert row[f"{k}_over_copy"] > 0
+    # --ops: only those (and the copy they are judged against)
+    assert host_copy.main([*argv[:-2], "--ops", "load", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["results"]["run_4"]
+    assert sorted(k for k in row if k.endswith("_over_copy")) == ["load_over_copy"]
 
 
 def test_host_ids_are_distinct_runs():

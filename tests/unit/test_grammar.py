@@ -280,23 +280,18 @@ def test_fill_threads_default_resolves_per_device(monkeypatch):
     """--grammar-fill-threads defaults to None, resolved by the worker: half the cores it may
     use (split between the tensor-parallel ranks on the host), at most 8, on CUDA; 0 on the CPU
     (torch's threads use the cores there); an explicit value wins."""
-    import argparse
     from types import SimpleNamespace
 
     from radix_runtime.config import (
         ServerArgs,
-        add_server_args,
-        args_from_namespace,
         auto_grammar_fill_threads,
+        parse_server_args,
     )
     from radix_runtime.worker.model_runner import ModelRunner
 
     assert ServerArgs().grammar_fill_threads is None
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    assert args_from_namespace(parser.parse_args([])).grammar_fill_threads is None
-    flag = ["--grammar-fill-threads", "3"]
-    assert args_from_namespace(parser.parse_args(flag)).grammar_fill_threads == 3
+    assert parse_server_args([]).grammar_fill_threads is None
+    assert parse_server_args(["--grammar-fill-threads", "3"]).grammar_fill_threads == 3
     with pytest.raises(ValueError):
         ServerArgs(grammar_fill_threads=-1).validate()
     assert [auto_grammar_fill_threads("cuda", c) for c in (1, 2, 6, 16, 64)] == [0, 1, 3, 8, 8]

@@ -446,3 +446,48 @@ def test_a_prefetched_node_evicted_meanwhile_is_recomputed():
     on, sched = run(prompts, arrivals, hicache=True, between=flush_after_prefetch)
     assert flushed and on == off
     assert sched.counters.host_prefetches_dropped >= len(flushed)
+
+
+def test_host_hits_a_prefetched_request_computes_again_are_counted(monkeypatch):
+    """A request holding a prefetch whose match grows, before its admission, into host-only
+    nodes (cached by another request after the prefetch and evicted to the host since), and
+    the load of those does not pay: they count in `host_recomputed_tokens`, as for a request
+    without a prefetch, and outputs stay right."""
+    args = ServerArgs(page_size=1, max_total_tokens=96, chunked_prefill_size=32,
+                      max_running_requests=3, radix_tree_impl="python",
+                      enable_hierarchical_cache=True, schedule_conservativeness=0.0,
+                      disable_overlap_schedule=True)  # fmt: skip
+    worker = TieredFakeWorker(97, 1, 3, 4097)
+    sched = Scheduler(args, worker.ready())
+    kv, cache = sched.kv, sched.kv.cache
+    toks = list(range(1, 41))
+    pages = kv.take_pages(20)
+    worker.pool[pages, 0] = toks[:20]  # their KV (the fake worker's: the tokens)
+    cache.insert(toks[:20], pages)  # cached, then evicted to the host
+    assert cache.evict(20) == 20 and cache.match_prefix(toks[:20]).host_length == 20
+    sampling = m.SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = toks[:30] + [77, 78]
+    sched.add_request(m.GenerateReq(rid="r", input_ids=m.pack_ids(prompt), sampling=sampling))
+    req = sched.reqs["r"]
+    assert req.prefetch_node is not None and req.prefetched_tokens == 20
+    # another request cached [20, 40) below the prefetched node; evicted to the host since
+    loaded = cache.match_prefix(toks[:20]).pages
+    pages = kv.take_pages(20)
+    worker.pool[pages, 0] = toks[20:40]
+    cache.insert(toks[:40], np.concatenate([loaded, pages]))
+    assert cache.evict(20) == 20
+    match = cache.match_prefix(prompt)
+    assert (match.length, match.host_length) == (20, 10)
+    monkeypatch.setattr(kv, "load_pays", lambda tokens: False)
+    driver = Driver(sched, worker)
+    out = []
+    for _ in range(50):
+        driver.iteration()
+        out += m.unpack_ids(b"".join(o.new_ids for o in sched.take_outputs())).tolist()
+        if not driver.busy():
+            break
+    off, _ = run([prompt], [0], hicache=False, disable=True, max_new=2)
+    assert out == off["r0"]
+    assert sched.counters.host_recomputed_tokens == 10
+    assert req.cached_tokens == 20 and req.host_cached_tokens == 20
+    sched.check_integrity()

@@ -179,6 +179,13 @@ def test_the_cuda_paths_run_copies_move_each_chunk_between_pool_and_staging():
     want = before.clone()
     want[torch.from_numpy(ids)] *= 2  # written back to their own pages, the others untouched
     assert torch.equal(pool.buffer, want)
+    # `at`: the rows of the staging buffer's second half (a load larger than the buffer
+    # alternates its halves)
+    pool.staging = torch.full((6, *pool.buffer.shape[1:]), -1.0)
+    pool._staging = pool.staging.view(torch.int32)
+    pool._copy_runs(ids, starts, lengths, 3, 6, load=True, at=3)
+    assert torch.equal(pool.staging[3:6], pool.buffer[torch.from_numpy(ids[3:6])])
+    assert torch.all(pool.staging[:3] == -1)
 
 
 def pool_page_bytes(dev: KVPool) -> int:
@@ -230,3 +237,22 @@ def test_a_batch_reports_whether_its_copies_wait_for_the_running_steps():
     assert everything.load_waited and everything.write_waited
     idle = copy([], [], [], [])
     assert not idle.load_waited and not idle.write_waited
+
+
+def test_hicache_load_flag_and_the_cpu_pool_loads_whole():
+    """--hicache-load step (default) | layer; off CUDA a pool asked for layered loads copies
+    synchronously as always and hands no step layer waits."""
+    from radix_runtime.config import ServerArgs, parse_server_args
+
+    assert ServerArgs().hicache_load == "step"
+    assert parse_server_args(["--model", "m", "--hicache-load", "layer"]).hicache_load == "layer"
+    with pytest.raises(ValueError, match="--hicache-load"):
+        ServerArgs(hicache_load="bogus").validate()
+    dev = KVPool(2, 16, 1, 2, 8, torch.float32, torch.device("cpu"))
+    host = HostKVPool(dev, 8, layered=True)
+    assert not host.layered
+    host.buffer.normal_()
+    none = np.zeros(0, np.int32)
+    host.copy(none, none, np.array([3], np.int32), np.array([5], np.int32), False)
+    assert torch.equal(dev.k_buffers[1][5], host.buffer[3, 1, 0])
+    assert host.take_layer_waits() is None

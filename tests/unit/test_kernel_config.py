@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radix_runtime.config import ServerArgs
-from radix_runtime.worker.kernels import KernelConfig, gemv
+from radix_runtime.worker.kernels import KernelConfig, fp8_gemv, gemv
 from radix_runtime.worker.kernels.ops import FusedOps
 from radix_runtime.worker.model_runner import ModelRunner
 
@@ -54,6 +54,34 @@ def test_fp8_projection_passes_its_scale(gemv_calls):
     layer.weight_scale = torch.ones(5)
     FusedOps(KernelConfig()).project(torch.randn(1, 8), layer)
     assert gemv_calls[0]["w_scale"] is layer.weight_scale
+
+
+def test_wide_fp8_projections_of_few_rows_take_the_tensor_core_gemv(gemv_calls, monkeypatch):
+    """fp8_mma_max_rows / fp8_mma_min_n pick kernels/fp8_gemv.py's GEMV: the one-token path's
+    fused projections and `project` at 1..16 rows of a wide FP8 layer; a narrow one keeps the
+    W8A16 GEMV at one row and its own forward beyond; 0 rows: off."""
+    mma = []
+
+    def fake_mma(x, weight, w_scale, **kw):
+        mma.append((x.shape[0], kw))
+        return F.linear(x, weight)
+
+    monkeypatch.setattr(fp8_gemv, "fp8_mma_gemv", fake_mma)
+    wide, narrow = torch.nn.Linear(8, 40, bias=False), torch.nn.Linear(8, 5, bias=False)
+    for layer in (wide, narrow):
+        layer.weight_scale = torch.ones(layer.weight.shape[0])
+    ops = FusedOps(KernelConfig(fp8_mma_min_n=40))
+    res = torch.zeros(1, 40)
+    ops.row_project(torch.randn(1, 8), wide, norm_weight=torch.ones(8), add_to=res)
+    ops.project(torch.randn(16, 8), wide)
+    assert mma == [(1, {"pdl": False, "norm_weight": mma[0][1]["norm_weight"], "eps": 1e-6,
+                        "silu": False, "add_to": res}), (16, {"pdl": False})]  # fmt: skip
+    ops.row_project(torch.randn(1, 8), narrow)  # narrow: the W8A16 GEMV
+    assert len(mma) == 2 and gemv_calls[-1]["w_scale"] is narrow.weight_scale
+    ops.project(torch.randn(17, 8), wide)  # 17 rows: the layer's own forward
+    assert len(mma) == 2
+    FusedOps(KernelConfig(fp8_mma_max_rows=0)).project(torch.randn(1, 8), wide)
+    assert len(mma) == 2 and gemv_calls[-1]["w_scale"] is wide.weight_scale
 
 
 def test_gemv_table_comes_from_the_sweep_named_by_the_environment(tmp_path, monkeypatch):

@@ -3,8 +3,6 @@ metrics flags, without a model (the scheduler against test_scheduler's FakeWorke
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import test_scheduler as ts
 from fastapi.testclient import TestClient
@@ -13,9 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from radix_runtime import messages as m
 from radix_runtime.config import (
     ServerArgs,
-    add_server_args,
-    args_from_namespace,
     auto_max_running_requests,
+    parse_server_args,
 )
 from radix_runtime.scheduler.stats import SCHEDULER_HISTOGRAMS, Counters, SchedulerStats
 from radix_runtime.server.http_server import build_app
@@ -175,9 +172,7 @@ def test_flush_while_requests_run_keeps_outputs_and_integrity(page_size, overlap
 
 def test_metrics_flags():
     def parse_flags(*argv):
-        parser = argparse.ArgumentParser()
-        add_server_args(parser)
-        return args_from_namespace(parser.parse_args(list(argv)))
+        return parse_server_args(list(argv))
 
     assert parse_flags().disable_metrics is False
     assert parse_flags("--disable-metrics").disable_metrics is True

@@ -154,17 +154,18 @@ def make_checkpoint(
     return _save(folder / f"{family}_{fmt}", out, cfg), model
 
 
-def fp8_activation_hooks(model) -> None:
+def fp8_input_hook(_module, args):
+    """A forward pre-hook: the module's input rounded through FP8 per token (W8A8's activations)."""
+    x = args[0]
+    s = (x.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return ((x / s).to(torch.float8_e4m3fn).float() * s,)
+
+
+def fp8_activation_hooks(model, names: tuple[str, ...] = PROJ) -> None:
     """W8A8's activations in the reference: each projection's input rounded through FP8 per token."""
-
-    def hook(_module, args):
-        x = args[0]
-        s = (x.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-        return ((x / s).to(torch.float8_e4m3fn).float() * s,)
-
     for name, mod in model.named_modules():
-        if name.split(".")[-1] in PROJ:
-            mod.register_forward_pre_hook(hook)
+        if name.split(".")[-1] in names:
+            mod.register_forward_pre_hook(fp8_input_hook)
 
 
 def _prompt_logits(args: ServerArgs) -> tuple[torch.Tensor, ModelRunner]:
@@ -212,6 +213,32 @@ def test_quantize_at_load_fp8_matches_reference(tmp_path):
     fp8_activation_hooks(model)
     diff = (ours - hf_logits(model, PROMPT)[: ours.shape[0]]).abs().max().item()
     assert diff < ATOL_W8A8, diff
+
+
+def test_quantize_lm_head_fp8_matches_reference(tmp_path):
+    """--quantize-lm-head with --quantization fp8: the LM head quantized per output row as well,
+    its input rounded through FP8 per token; refused without FP8 weights."""
+    model = _tiny_llama()
+    folder = save_hf(model, tmp_path / "f32")
+    plain, _ = _prompt_logits(_args(folder, quantization="fp8"))
+    ours, runner = _prompt_logits(_args(folder, quantization="fp8", quantize_lm_head=True))
+    assert runner.model.lm_head.weight.dtype == torch.float8_e4m3fn
+    with torch.no_grad():
+        for name in [*_proj_names(model), "lm_head.weight"]:
+            p = model.get_parameter(name)
+            q, s = ref_fp8(p.data, per_channel=True)
+            p.copy_(q.float() * s)
+    fp8_activation_hooks(model, (*PROJ, "lm_head"))
+    diff = (ours - hf_logits(model, PROMPT)[: ours.shape[0]]).abs().max().item()
+    assert diff < ATOL_W8A8, diff
+    assert (ours - plain).abs().max() > 10 * ATOL  # the head's rounding moved the logits
+    # beside int4 projections too
+    int4_head, runner = _prompt_logits(_args(folder, quantization="int4", quantize_lm_head=True))
+    assert runner.model.lm_head.weight.dtype == torch.float8_e4m3fn
+    int4_plain, _ = _prompt_logits(_args(folder, quantization="int4"))
+    assert 0 < (int4_head - int4_plain).abs().max() < 10 * ATOL_W8A8
+    with pytest.raises(UnsupportedModel, match="--quantize-lm-head needs quantized"):
+        ModelRunner(_args(folder, quantize_lm_head=True))
 
 
 def test_quantize_at_load_int4_rtn_matches_reference(tmp_path):

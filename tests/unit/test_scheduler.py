@@ -489,14 +489,11 @@ def test_dfs_weight_order_survives_node_splits(mixed, overlap):
 
 
 def test_enable_mixed_chunk_flag():
-    import argparse
 
-    from radix_runtime.config import add_server_args, args_from_namespace
+    from radix_runtime.config import parse_server_args
 
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    assert args_from_namespace(parser.parse_args([])).enable_mixed_chunk is False
-    assert args_from_namespace(parser.parse_args(["--enable-mixed-chunk"])).enable_mixed_chunk
+    assert parse_server_args([]).enable_mixed_chunk is False
+    assert parse_server_args(["--enable-mixed-chunk"]).enable_mixed_chunk
 
 
 def test_multi_turn_hits_whole_history():
@@ -821,15 +818,11 @@ def test_schedule_ahead_falls_back_instead_of_retracting():
 
 
 def test_overlap_flag():
-    import argparse
 
-    from radix_runtime.config import add_server_args, args_from_namespace
+    from radix_runtime.config import parse_server_args
 
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    assert args_from_namespace(parser.parse_args([])).disable_overlap_schedule is False
-    ns = parser.parse_args(["--disable-overlap-schedule"])
-    assert args_from_namespace(ns).disable_overlap_schedule
+    assert parse_server_args([]).disable_overlap_schedule is False
+    assert parse_server_args(["--disable-overlap-schedule"]).disable_overlap_schedule
 
 
 # ---------------------------------------------------------------------------------------------
@@ -891,14 +884,13 @@ def test_prefill_cap_cache_on_equals_off(overlap, page_size):
 
 
 def test_prefill_cap_flag():
-    import argparse
 
-    from radix_runtime.config import add_server_args, args_from_namespace
+    from radix_runtime.config import parse_server_args
 
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    assert args_from_namespace(parser.parse_args([])).max_consecutive_prefill_steps == 0
-    ns = parser.parse_args(["--max-consecutive-prefill-steps", "2"])
-    assert args_from_namespace(ns).max_consecutive_prefill_steps == 2
+    assert parse_server_args([]).max_consecutive_prefill_steps == 0
+    assert (
+        parse_server_args(["--max-consecutive-prefill-steps", "2"]).max_consecutive_prefill_steps
+        == 2
+    )
     with pytest.raises(ValueError, match="max-consecutive-prefill-steps"):
-        args_from_namespace(parser.parse_args(["--max-consecutive-prefill-steps", "-1"]))
+        parse_server_args(["--max-consecutive-prefill-steps", "-1"])

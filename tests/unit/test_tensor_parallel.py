@@ -146,17 +146,14 @@ def test_tp_flags_are_validated(changes, message):
 
 
 def test_tp_flags_parse_in_sglang_spelling():
-    import argparse
 
-    from radix_runtime.config import add_server_args, args_from_namespace
+    from radix_runtime.config import parse_server_args
 
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
     for flags in (["--tp", "2"], ["--tp-size", "2"], ["--tensor-parallel-size", "2"]):
-        assert args_from_namespace(parser.parse_args(flags)).tp == 2
-    assert args_from_namespace(parser.parse_args([])).tp == 1
+        assert parse_server_args(flags).tp == 2
+    assert parse_server_args([]).tp == 1
     multi = ["--tp", "16", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"]
-    args = args_from_namespace(parser.parse_args(multi))
+    args = parse_server_args(multi)
     assert (args.tp, args.nnodes, args.node_rank, args.dist_init_addr) == (
         16,
         2,

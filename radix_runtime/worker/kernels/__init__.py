@@ -7,7 +7,10 @@
 - `decode_attention`: split-KV decode attention for small batches over the paged pool;
 - `norms`: RMSNorm, fused add + RMSNorm (FlashInfer), Gemma's norms and its norm-add-norm;
 - `activation`: SiLU-and-mul, gelu(tanh)-and-mul;
-- `fp8_quant`: dynamic per-token FP8 quantization of activations.
+- `fp8_quant`: dynamic per-token FP8 quantization of activations;
+- `fp8_gemv`: the W8A8 GEMV for a few rows on FP8 tensor cores (the input quantized inside it,
+  the same prologues and epilogue as `gemv`);
+- `int4_gemv`: packed int4 weights (W4A16): the GEMV for decode rows and the GEMM for more.
 
 `KernelConfig` (config.py) says which kernel runs where; `FusedOps` (ops.py) is the kernel set
 a model's CUDA path calls, bound to one config. Numerics: each kernel computes in float32 and

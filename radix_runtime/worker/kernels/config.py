@@ -53,6 +53,17 @@ class KernelConfig:
     # bf16 4.15 -> 3.92 ms, FP8 3.01 -> 2.79, int4 2.69 -> 2.55, Qwen3-8B 4.39 -> 4.13,
     # Gemma-3-12B 7.39 -> 6.32; the same tokens
     pdl: bool = True
+    # FP8 (W8A8) projections of 1..fp8_mma_max_rows rows and at least fp8_mma_min_n output rows
+    # run kernels/fp8_gemv.py's tensor-core GEMV (input rows quantized to e4m3 per row inside it,
+    # the norm / SiLU / GELU prologues and residual adds fused as in the bf16 GEMV) instead of
+    # the W8A16 GEMV at one row and per-token quantization + torch._scaled_mm beyond (0: off).
+    # On the H200 it wins on wide products only (docs/results/h200_quant_fp8_mma.json, us per
+    # product, W8A16 in brackets): gate_up 28672x4096 33.8 (41.3), an FP8 LM head 128256x4096
+    # 126 (195; bf16 237); with 4,096 output rows its 64 programs of 64 rows (the tensor-core
+    # tile) leave half the SMs idle: o 10.3 (7.1), down 34.2 (22.8). Batch-1 decode of the 8B
+    # shape: 2.778 ms against 2.792 with it off (FP8 LM head: 2.676 against 2.692)
+    fp8_mma_max_rows: int = 16
+    fp8_mma_min_n: int = 16384
 
     def use_pdl(self) -> bool:
         """`pdl`, where this process's GPU and Triton support it."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radix_runtime.worker.kernels import activation, gemv, int4_gemv, norms, rope
+from radix_runtime.worker.kernels import activation, fp8_gemv, gemv, int4_gemv, norms, rope
 from radix_runtime.worker.kernels.config import KernelConfig
 from radix_runtime.worker.kernels.int4_gemv import INT4_NORM, INT4_PLAIN, INT4_SILU
 
@@ -50,9 +50,13 @@ class FusedOps:
             and getattr(layer, "qweight", None) is None
             and layer.bias is None
             and layer.weight.is_contiguous()
+            and not self._fp8_mma(x, layer)
         ):
             kw = {"silu": True} if act == "silu" else {"gelu": True}
             return self.gemv(x, layer.weight, w_scale=getattr(layer, "weight_scale", None), **kw)
+        kw = {"silu": True} if act == "silu" else {"gelu": True}
+        if self._fp8_mma(x, layer):
+            return fp8_gemv.fp8_mma_gemv(x, layer.weight, layer.weight_scale, pdl=self.pdl, **kw)
         h = self.silu_and_mul(x) if act == "silu" else self.gelu_tanh_and_mul(x)
         return self.project(h, layer)
 
@@ -92,7 +96,21 @@ class FusedOps:
             return int4_gemv.int4_gemv(
                 x, qweight, layer.gemv_scales, layer.group_size, config, pdl=self.pdl, **fused
             )
+        if self._fp8_mma(x, layer):
+            return fp8_gemv.fp8_mma_gemv(x, layer.weight, layer.weight_scale, pdl=self.pdl, **fused)
         return self.gemv(x, layer.weight, w_scale=getattr(layer, "weight_scale", None), **fused)
+
+    def _fp8_mma(self, x: torch.Tensor, layer: torch.nn.Module) -> bool:
+        """Whether `x` through the FP8 `layer` takes the tensor-core GEMV (this config's limits
+        on input and output rows; no bias; contiguous operands)."""
+        return (
+            getattr(layer, "weight_scale", None) is not None
+            and getattr(layer, "bias", None) is None
+            and 1 <= x.shape[0] <= min(self.config.fp8_mma_max_rows, fp8_gemv.FP8_MMA_MAX_ROWS)
+            and layer.weight.shape[0] >= self.config.fp8_mma_min_n
+            and x.stride(-1) == 1
+            and layer.weight.is_contiguous()
+        )
 
     def _int4_config(self, qweight: torch.Tensor, prologue: int, add: bool):
         """This config's int4 GEMV blocks, else the H200 table's for the shape, else None (the
@@ -122,6 +140,8 @@ class FusedOps:
         scale = getattr(layer, "weight_scale", None)
         if scale is None:
             return self.linear(x, layer.weight, layer.bias)
+        if self._fp8_mma(x, layer):
+            return fp8_gemv.fp8_mma_gemv(x, layer.weight, scale, pdl=self.pdl)
         if self.config.triton_gemv and x.shape[0] == 1 and layer.bias is None and x.is_contiguous():
             return self.gemv(x, layer.weight, w_scale=scale)
         return layer(x)

@@ -224,7 +224,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> float32 [R, vocab]; called only on the rows that need logits."""
         if self.lm_head is not None and not isinstance(self.lm_head, Linear):
-            return self.lm_head(hidden).float()  # a CPU int8/int4 head (worker/cpu_quant.py)
+            if self._ops is not None and hasattr(self.lm_head, "weight_scale"):
+                return self._ops.project(hidden, self.lm_head).float()  # an FP8 head
+            # a CPU int8/int4 head (worker/cpu_quant.py), or an FP8 one without the kernels
+            return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self._ops is not None:
             return self._ops.linear(hidden, weight, None).float()
