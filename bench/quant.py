@@ -1,9 +1,12 @@
 """Quantized serving on the GPU: bf16 beside FP8 and int4 weights (and the FP8 KV cache) in one run.
 
 Drives `ModelRunner` in-process (as bench/gpu_worker.py does, with its `Bench` driver): Llama-3.1-8B
-shape, dummy weights. Per variant (`bf16`; `fp8` = `--quantization fp8`; `int4` = `--quantization
-int4`, packed W4A16 with the Triton int4 GEMV for decode; `fp8_kv` = bf16 weights with
-`--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
+shape, dummy weights. Per variant (`bf16`; `fp8` = `--quantization fp8` with the W8A16 GEMV on
+every one-token product (`KernelConfig.fp8_mma_max_rows` 0); `fp8_mma` = the default kernels (the
+W8A8 tensor-core GEMV on products of >= `fp8_mma_min_n` rows), `fp8_mma_all` on every product;
+`+head` = with `--quantize-lm-head` (`fp8+head`: the tensor-core GEMV on the head only); `int4` =
+`--quantization int4`, packed W4A16 with the Triton int4 GEMV for decode; `fp8_kv` = bf16
+weights with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
 - decode at batch 1 over a 1,024-token context, the worker's overlapped schedule with its CUDA
   graph (`decode_bs1_ms`, tok/s) and the graph replay alone; the weight bytes each step reads over
   that time as a fraction of the read-bandwidth ceiling (`read_TBps`, bench/gpu_worker.py's
@@ -15,7 +18,12 @@ int4`, packed W4A16 with the Triton int4 GEMV for decode; `fp8_kv` = bf16 weight
   one-token layer's four GEMVs (with their fused norm / SiLU prologues and residual adds), against
   the bf16 GEMV on the same case (each timed over distinct weights in one CUDA graph, more than
   L2 holds): what kernels/gemv.py's FP8_GEMV_CONFIGS and kernels/int4_gemv.py's
-  INT4_GEMV_CONFIGS hold.
+  INT4_GEMV_CONFIGS hold (`--sweeps fp8,int4`);
+- `--sweeps fp8_mma`: the tensor-core GEMV's tiles on the same cases and the LM head's shape
+  against the W8A16 and bf16 GEMVs (kernels/fp8_gemv.py's FP8_MMA_CONFIGS), on gate/up also 2-16
+  rows against per-token quantization + torch._scaled_mm; `--sweeps prefill_gemm`: the FP8
+  prefill's GEMMs at 8K tokens (row-wise and tensor-wise _scaled_mm, the quantization kernel)
+  against cuBLAS bf16.
 Ratios against bf16 (`*_vs_bf16`) are what the goals are set on: decode FP8 >= 1.8x and int4
 >= 3.0x, prefill 8K FP8 >= 1.6x (int4's prefill dequantizes each projection per call: reported,
 not a goal).
@@ -23,6 +31,8 @@ not a goal).
     python bench/quant.py --out docs/results/h200_quant.json
     python bench/quant.py --variants bf16,fp8,int4 --sweeps int4,fp8 \
         --out docs/results/h200_quant_kernels.json             # the weights (run_h200.sh int4)
+    python bench/quant.py --variants bf16,fp8,fp8+head,fp8_mma,fp8_mma+head,int4,int4+head \
+        --sweeps fp8_mma --out docs/results/h200_quant_fp8_mma.json   # (run_h200.sh fp8_mma)
 """
 
 from __future__ import annotations
