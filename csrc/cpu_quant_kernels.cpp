@@ -65,9 +65,11 @@ inline int32_t load_i32(const int8_t* p) {
 // ---------------------------------------------------------------------------------------------
 // activation quantization: src row (float32 or bf16 converted to float32) -> int8 blocks
 
+// `residual` (or null): what the rounding left, x - d * q (one exact fma a value: the same bits
+// on every path), over the padded width - a two-pass row's second input.
 template <typename T>
 void quantize_row_scalar(const T* x, int64_t k, int64_t blocks, int8_t* xq, float* dx, float* mdx,
-                         int32_t* sx) {
+                         int32_t* sx, float* residual) {
   float buf[kBlock];
   for (int64_t b = 0; b < blocks; ++b) {
     float amax = 0.f;
@@ -83,6 +85,7 @@ void quantize_row_scalar(const T* x, int64_t k, int64_t blocks, int8_t* xq, floa
       const int32_t q = static_cast<int32_t>(std::nearbyint(buf[j] * id));
       xq[b * kBlock + j] = static_cast<int8_t>(q);
       sum += q;
+      if (residual) residual[b * kBlock + j] = std::fma(-d, static_cast<float>(q), buf[j]);
     }
     dx[b] = d;
     sx[b] = sum;
@@ -103,8 +106,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16_avx512
 // to nearest even) on 16 lanes; a row whose width is not a multiple of 32 takes the scalar way.
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_avx512(
-    const T* x, int64_t k, int64_t blocks, int8_t* xq, float* dx, float* mdx, int32_t* sx) {
-  if (k % kBlock) return quantize_row_scalar(x, k, blocks, xq, dx, mdx, sx);
+    const T* x, int64_t k, int64_t blocks, int8_t* xq, float* dx, float* mdx, int32_t* sx,
+    float* residual) {
+  if (k % kBlock) return quantize_row_scalar(x, k, blocks, xq, dx, mdx, sx, residual);
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 v0 = load16_avx512(x + b * kBlock), v1 = load16_avx512(x + b * kBlock + 16);
     __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
@@ -117,24 +121,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_avx512(
     __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vid), kRound));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+    if (residual) {
+      const __m512 vd = _mm512_set1_ps(d);
+      _mm512_storeu_ps(residual + b * kBlock, _mm512_fnmadd_ps(vd, _mm512_cvtepi32_ps(q0), v0));
+      _mm512_storeu_ps(residual + b * kBlock + 16,
+                       _mm512_fnmadd_ps(vd, _mm512_cvtepi32_ps(q1), v1));
+    }
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     dx[b] = d;
     sx[b] = sum;
     mdx[b] = d * static_cast<float>(sum);
-  }
-}
-
-// The second pass of a two-pass row: what the first left, x - d * q (one exact fma a value, the
-// same on every path), over the padded width.
-template <typename T>
-void residual_row(const T* x, int64_t k, int64_t blocks, const int8_t* q, const float* d,
-                  float* out) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int64_t c = b * kBlock + j;
-      const float v = c < k ? static_cast<float>(x[c]) : 0.f;
-      out[c] = std::fma(-d[b], static_cast<float>(q[c]), v);
-    }
   }
 }
 
@@ -332,9 +328,10 @@ void by_rows(const uint8_t* rec, const Act& a, int64_t r0, int nr, float* out) {
 // run-time choice of the path
 
 using TileFn = void (*)(const uint8_t*, const Act&, int64_t, int, float*);
-using QuantFn32 = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*, int32_t*);
+using QuantFn32 = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*, int32_t*,
+                           float*);
 using QuantFn16 = void (*)(const at::BFloat16*, int64_t, int64_t, int8_t*, float*, float*,
-                           int32_t*);
+                           int32_t*, float*);
 
 struct Isa {
   const char* name;
@@ -427,19 +424,18 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t kind, int64_t
       const int64_t r1 = r * act_passes;
       int8_t* q = xq_p + r1 * kp;
       float *d = dx_p + r1 * blocks, *md = mdx_p + r1 * blocks;
+      float* res = act_passes > 1 ? residual.data() : nullptr;
       if (bf16) {
-        const auto* x_r = static_cast<const at::BFloat16*>(src) + r * k;
-        isa->quant16(x_r, k, blocks, q, d, md, sx_p + r1 * blocks);
-        if (act_passes > 1) residual_row(x_r, k, blocks, q, d, residual.data());
+        isa->quant16(static_cast<const at::BFloat16*>(src) + r * k, k, blocks, q, d, md,
+                     sx_p + r1 * blocks, res);
       } else {
-        const auto* x_r = static_cast<const float*>(src) + r * k;
-        isa->quant32(x_r, k, blocks, q, d, md, sx_p + r1 * blocks);
-        if (act_passes > 1) residual_row(x_r, k, blocks, q, d, residual.data());
+        isa->quant32(static_cast<const float*>(src) + r * k, k, blocks, q, d, md,
+                     sx_p + r1 * blocks, res);
       }
-      if (act_passes > 1) {
+      if (res) {
         const int64_t r2 = r1 + 1;
-        isa->quant32(residual.data(), kp, blocks, xq_p + r2 * kp, dx_p + r2 * blocks,
-                     mdx_p + r2 * blocks, sx_p + r2 * blocks);
+        isa->quant32(res, kp, blocks, xq_p + r2 * kp, dx_p + r2 * blocks, mdx_p + r2 * blocks,
+                     sx_p + r2 * blocks, nullptr);
       }
     }
   });

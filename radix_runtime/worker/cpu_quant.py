@@ -292,12 +292,31 @@ def _int4_keeps(gguf_types: dict[str, str], param: str) -> bool:
     return not parts or all(t in GGUF_4BIT for t in parts)
 
 
+# GGUF types our int8 / int4 layouts hold exactly (the file's own grid, scales and offsets)
+GGUF_EXACT = {"Q4_0", "Q4_1", "Q8_0"}
+
+
 def auto_format(gguf_types: dict[str, str] | None) -> str:
-    """`auto`: float32 for every checkpoint. The bf16-activation formats are opt-in: their products
-    round differently with the number of rows in a batch, so a request's greedy tokens can differ
-    between a batch where its prefix was cached and one where it was not (cache on != off under
-    batching, tests/integration/test_cache_equivalence.py), which float32 keeps equal."""
-    return "float32"
+    """`auto`: int4 when the checkpoint is a GGUF file whose matrices are all Q4_0 / Q4_1 / Q8_0
+    (int4 keeps the 4-bit ones and int8 the Q8_0 ones exactly: only the activations' two-pass
+    int8 rounding differs from float32, 0.007 logits on the default model) and this CPU runs our
+    kernels with SIMD; int8 for an all-Q8_0 file; float32 otherwise (docs/cpu_weight_formats.md).
+    The kernels are batch-invariant, so cache on == off holds in batches as with float32."""
+    matrices = {
+        name: t
+        for name, t in (gguf_types or {}).items()
+        if name.endswith("proj.weight") or name.endswith(("embed_tokens.weight", "lm_head.weight"))
+    }
+    if not matrices or not set(matrices.values()) <= GGUF_EXACT or not fast_kernels():
+        return "float32"
+    return "int8" if set(matrices.values()) == {"Q8_0"} else "int4"
+
+
+def fast_kernels() -> bool:
+    """Whether the compiled kernels run here with SIMD (the scalar path and the torch twin are
+    correct but slower than float32)."""
+    ext = kernels()
+    return ext is not None and ext.kernel_isa() in ("avx512_vnni", "avx2")
 
 
 def quantize_model(model: nn.Module, weight_format: str, gguf_types: dict[str, str]) -> None:

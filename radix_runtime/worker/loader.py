@@ -164,11 +164,9 @@ def resolve_cpu_weight_format(
     if args.quantization != "none":  # worker/quant.py's layers, in --dtype
         return "float32"
     if fmt == "auto":
-        if args.dtype == "float32":
-            return "float32"
+        if args.dtype != "auto":  # an explicit --dtype: dense weights in it
+            return "bfloat16" if args.dtype == "bfloat16" else "float32"
         fmt = cpu_quant.auto_format(gguf_types)
-        if args.dtype == "bfloat16" and fmt == "float32":
-            return "bfloat16"
     return fmt
 
 

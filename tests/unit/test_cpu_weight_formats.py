@@ -101,22 +101,29 @@ def test_flag_validation_rejects(changes):
         ServerArgs(**changes).validate()
 
 
-def test_auto_follows_the_checkpoint_and_dtype():
+@pytest.mark.parametrize("simd", [True, False])
+def test_auto_follows_the_checkpoint_and_dtype(simd, monkeypatch):
+    monkeypatch.setattr(cpu_quant, "fast_kernels", lambda: simd)
+    norm = {"model.layers.0.input_layernorm.weight": "F32"}
     q4 = {"model.layers.0.self_attn.q_proj.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0"}
-    q8 = {"model.layers.0.self_attn.q_proj.weight": "Q8_0"}
+    q4_f16_head = {**q4, "model.embed_tokens.weight": "F16"}
+    q8 = {"model.layers.0.self_attn.q_proj.weight": "Q8_0", **norm}
     f16 = {"model.layers.0.self_attn.q_proj.weight": "F16"}
+    k4 = {"model.layers.0.mlp.down_proj.weight": "Q4_K", **q4}
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def resolve(types, device=cpu, torch_dtype=torch.float32, **flags):
         return resolve_cpu_weight_format(ServerArgs(**flags), device, torch_dtype, types)
 
-    assert resolve(q4) == "float32"  # quantized formats are opt-in (cache on != off when batched)
-    assert resolve(q8) == "float32"
-    assert resolve(f16) == "float32"
-    assert resolve({}) == "float32"  # safetensors / dummy
+    # the file's own grids, kept exactly, where the kernels run with SIMD
+    assert resolve({**q4, **norm}) == ("int4" if simd else "float32")
+    assert resolve(q8) == ("int8" if simd else "float32")
+    for other in (q4_f16_head, f16, k4, {}):  # a new rounding of some matrix: float32
+        assert resolve(other) == "float32"
     assert resolve(q4, dtype="float32") == "float32"  # an explicit --dtype wins
+    assert resolve(q4, dtype="bfloat16") == "bfloat16"
     assert resolve(f16, dtype="bfloat16") == "bfloat16"
-    assert resolve(q4, cpu_weight_format="int8") == "int8"
+    assert resolve(f16, cpu_weight_format="int8") == "int8"
     assert resolve(q4, device=cuda, torch_dtype=torch.bfloat16) == "bfloat16"  # CUDA: untouched
     with pytest.raises(ValueError):
         resolve(q4, device=cuda, cpu_weight_format="int4")
