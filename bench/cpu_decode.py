@@ -18,6 +18,13 @@ alike (each number is the median of the rounds; the spread is kept in the JSON).
   after the first turn: time to the first streamed token (llama.cpp reuses its previous prompt's
   KV, we reuse the radix tree's).
 
+Where our cached turn's time goes (`cached_turn_parts_ms`, per round): one more such turn, with
+our /metrics read just before and after it (outside the timed turn above, whose client sees
+nothing of it), split into the server's TTFT (tokenized request -> first token in the HTTP
+process) and its measured parts (inbox, queue, prefill = the chunk's step, transit), and the
+front: the client's TTFT minus the server's (HTTP, JSON, tokenization, SSE, the client itself).
+llama.cpp's server has no such metrics: its rows carry none.
+
 Goals (issue 23): batch-1 decode >= 1.0x llama.cpp, batch-8 aggregate >= 2x, cached TTFT <= 0.5x.
 """
 
@@ -44,6 +51,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import LaunchedServer, _die_with_parent, exit_on_sigterm, free_port, provenance
+from bench.multi_turn_chat import TTFT_PARTS, scheduler_times, times_delta
 from radix_runtime.model_source import default_gguf_path
 
 EOS_BIAS = {"0": -100.0, "2": -100.0}  # <|endoftext|>, <|im_end|>: a fixed number of tokens
@@ -182,6 +190,7 @@ def measure(url: str, tokens: int, tag: str) -> dict:
     _, answer = complete(url, history, 24)
     turn2 = history + answer["choices"][0]["text"] + "\nQuestion: and in one word?"
     sent, first, _, _, _ = stream(url, turn2, 2)
+    parts = cached_turn_parts(url, f"parts {tag}")
     return {
         "loadavg_1m": os.getloadavg()[0],  # the machine's load right after the round
         "decode_b1_tok_s": decode_b1,
@@ -189,7 +198,36 @@ def measure(url: str, tokens: int, tag: str) -> dict:
         "prefill_tok_s": prefill,
         "prefill_prompt_tokens": reply["usage"]["prompt_tokens"],
         "cached_turn_ttft_s": first - sent,
+        **({"cached_turn_parts_ms": parts} if parts is not None else {}),
     }
+
+
+def cached_turn_parts(url: str, tag: str) -> dict[str, float] | None:
+    """A cached turn as `measure` times it, split by the server's /metrics (read before and
+    after it): ms of the client's TTFT, the server's TTFT, its TTFT_PARTS and the front (client
+    minus server); None without /metrics (llama.cpp's server)."""
+    history = long_prompt(f"chat {tag}")
+    _, answer = complete(url, history, 24)
+    turn2 = history + answer["choices"][0]["text"] + "\nQuestion: and in one word?"
+    before = scheduler_times(url, None)
+    if before is None:
+        return None
+    sent, first, _, _, _ = stream(url, turn2, 2)
+    return ttft_parts(first - sent, times_delta(before, scheduler_times(url, None)))
+
+
+def ttft_parts(client_ttft_s: float, times: dict | None) -> dict[str, float] | None:
+    """ms of one request's TTFT: the client's, the server's and its parts (`times_delta` over
+    that request alone), and the front: the client's minus the server's."""
+    if not times or times.get("time_to_first_token_mean_s") is None:
+        return None
+    out = {"client_ttft": client_ttft_s * 1e3}
+    for key in TTFT_PARTS:
+        value = times.get(f"{key}_mean_s")
+        if value is not None:
+            out[key] = value * 1e3
+    out["front"] = out["client_ttft"] - out["time_to_first_token"]
+    return out
 
 
 METRICS = ("decode_b1_tok_s", "decode_b8_tok_s", "prefill_tok_s", "cached_turn_ttft_s")
@@ -269,12 +307,22 @@ def main() -> None:
         f"{ref['prefill_tok_s']:>14.0f} {ref['cached_turn_ttft_s'] * 1e3:>10.0f}ms"
     )
     for r in rows:
+        parts = [x["cached_turn_parts_ms"] for x in r["rounds"] if "cached_turn_parts_ms" in x]
+        r["cached_turn_parts_ms"] = {
+            k: statistics.median(p[k] for p in parts) for k in parts[0] if all(k in p for p in parts)
+        } if parts else None  # fmt: skip
+    for r in rows:
         print(
             f"{'ours ' + r['format']:>16} {r['decode_b1_tok_s']:>9.1f} {r['decode_b8_tok_s']:>9.1f} "
             f"{r['prefill_tok_s']:>14.0f} {r['cached_turn_ttft_s'] * 1e3:>10.0f}ms   "
             f"x llama.cpp: b1 {r['decode_b1_vs_llama']:.2f} b8 {r['decode_b8_vs_llama']:.2f} "
             f"prefill {r['prefill_vs_llama']:.2f} cached TTFT {r['cached_ttft_vs_llama']:.2f}"
         )
+    print("our cached turn's TTFT by part (ms, median of the rounds; front = client - server):")
+    for r in rows:
+        if r["cached_turn_parts_ms"]:
+            split = "  ".join(f"{k} {v:.1f}" for k, v in r["cached_turn_parts_ms"].items())
+            print(f"{'ours ' + r['format']:>16} {split}")
     if args.out:
         import llama_cpp
 

@@ -14,9 +14,6 @@ every page on its own), the device pages a random permutation. Per run length, t
   the tier's loads are judged against; CPU: a host memcpy);
 - `load` / `write`: `HostKVPool.copy` (page-major pool, staging buffer, one copy per run on
   CUDA), until the device is done;
-- `load_unpipelined` (CUDA): the same load with `pipeline_loads` off (a load larger than the
-  staging buffer chunk after chunk on the copy stream, each chunk's scatter before the next
-  chunk's copy: the path before a second stream scattered one half while the other fills);
 - `layered_load` (CUDA): the same load layer by layer (`HostKVPool(layered=True)`, the
   server's `--hicache-load layer`: per layer one strided copy per run, scattered on a second
   stream), until the device is done;
@@ -123,14 +120,6 @@ def batch_ops(pool, previous, src, dst, handles, plain, layered=None) -> dict:
     if previous is not None:
         ops["previous_load"] = lambda: previous.load(src, dst)
         ops["previous_write"] = lambda: previous.write(dst, src)
-    if pool.cuda:
-
-        def load_unpipelined():
-            pool.pipeline_loads = False
-            handles["load_unpipelined"].append(pool.copy(none, none, src, dst, False))
-            pool.pipeline_loads = True
-
-        ops["load_unpipelined"] = load_unpipelined
     if layered is not None:
         lpool, lhandles = layered
 
@@ -188,7 +177,7 @@ def main(argv=None) -> int:
     for run in [int(r) for r in args.run_lengths.split(",")]:
         src = host_ids(pages, run, host_pages, rng)
         dst = (1 + rng.permutation(pages)).astype(np.int32)
-        handles: dict = {"load": [], "load_unpipelined": []}
+        handles: dict = {"load": []}
         lhandles: list = []
         ops = batch_ops(pool, previous, src, dst, handles, (plain_src, plain_dst),
                         (lpool, lhandles) if lpool is not None else None)  # fmt: skip

@@ -103,10 +103,10 @@ class CpuDecoder {
                                           std::optional<Tensor>>>
                      decode,
                  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t,
-                                        std::optional<Tensor>, std::optional<Tensor>>>
+                                        std::optional<Tensor>, std::optional<Tensor>, int64_t>>
                      prefills) {
     // decode: (rows, span_a, span_b, kv_locs, batch, max_len, mask)
-    // prefill chunk: (start, end, span_a, span_b, kv_locs, mask)
+    // prefill chunk: (start, end, span_a, span_b, kv_locs, mask, grouped)
     Plan plan;
     if (decode) {
       auto& [rows, a, b, locs, batch, max_len, mask] = *decode;
@@ -116,9 +116,10 @@ class CpuDecoder {
       plan.decode_shape = {batch, max_len};
       plan.decode_mask = mask.value_or(Tensor());
     }
-    for (auto& [start, end, a, b, locs, mask] : prefills) {
+    for (auto& [start, end, a, b, locs, mask, grouped] : prefills) {
       Tensor m = mask.has_value() ? mask->unsqueeze(0).unsqueeze(0) : Tensor();
-      plan.chunks.push_back(Chunk{start, end, KeySource{a, b, locs.value_or(Tensor())}, m});
+      plan.chunks.push_back(
+          Chunk{start, end, KeySource{a, b, locs.value_or(Tensor())}, m, grouped});
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
@@ -134,7 +135,8 @@ class CpuDecoder {
   struct Chunk {
     int64_t start, end;
     KeySource keys;
-    Tensor mask;  // [1, 1, n, L] bool, or undefined: causal
+    Tensor mask;  // [1, 1, n, L] bool, or undefined: causal; grouped: [1, 1, G*n, L] additive
+    int64_t grouped;  // G > 0: the queries run as [1, Hkv, G*n, D] (torch_native._PrefillChunk)
   };
   struct Plan {
     bool has_decode = false;
@@ -159,14 +161,15 @@ class CpuDecoder {
     return x * cos + rotated * sin;
   }
 
-  // torch_native._sdpa without an FP8 pool: q [B, H, n, D], k/v [B, L, Hkv, D]
-  Tensor sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-              bool causal) const {
+  // torch_native._sdpa without an FP8 pool: q [B, H, n, D] (gqa false: [B, Hkv, n, D]),
+  // k/v [B, L, Hkv, D]
+  Tensor sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal,
+              bool gqa = true) const {
     Tensor kt = k.transpose(1, 2).to(q.scalar_type());
     Tensor vt = v.transpose(1, 2).to(q.scalar_type());
     std::optional<Tensor> m = mask.defined() ? std::optional<Tensor>(mask) : std::nullopt;
     return at::scaled_dot_product_attention(q, kt, vt, m, 0.0, !mask.defined() && causal, scale_,
-                                            num_heads_ != num_kv_heads_);
+                                            gqa && num_heads_ != num_kv_heads_);
   }
 
   // models/llama.py LlamaAttention + torch_native.TorchNativeBackend.forward
@@ -198,9 +201,16 @@ class CpuDecoder {
                                    .squeeze(2));
       }
       for (const Chunk& c : plan.chunks) {
+        const int64_t n = c.end - c.start;
         Tensor q_c = q.slice(0, c.start, c.end).transpose(0, 1).unsqueeze(0);
         Tensor k_c = c.keys.gather(k_all).unsqueeze(0), v_c = c.keys.gather(v_all).unsqueeze(0);
-        out.slice(0, c.start, c.end).copy_(sdpa(q_c, k_c, v_c, c.mask, true)[0].transpose(0, 1));
+        if (c.grouped > 0) {  // a KV head's query heads one after the other
+          q_c = q_c.reshape({1, num_kv_heads_, c.grouped * n, head_dim_});
+          Tensor o = sdpa(q_c, k_c, v_c, c.mask, true, false).reshape({num_heads_, n, head_dim_});
+          out.slice(0, c.start, c.end).copy_(o.transpose(0, 1));
+        } else {
+          out.slice(0, c.start, c.end).copy_(sdpa(q_c, k_c, v_c, c.mask, true)[0].transpose(0, 1));
+        }
       }
     }
     return l.o(out.reshape({-1, q_size}));

@@ -121,7 +121,7 @@ class CpuDecoder:
         dec = None
         if decode is not None:
             dec = (decode.rows, *_keys(decode), *decode.shape, decode.mask)
-        chunks = [(p.start, p.end, *_keys(p), p.mask) for p in prefills]
+        chunks = [(p.start, p.end, *_keys(p), p.attn_mask(h.dtype), p.grouped) for p in prefills]
         return self._impl.forward(h, cos, sin, self.attn._out_cache_loc, dec, chunks)
 
 

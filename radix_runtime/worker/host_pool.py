@@ -33,9 +33,7 @@ were queued and no host thread ever waits for one:
   reads it, and after every write queued before it (the same stream): a page loaded includes
   the writes queued before, with no host wait.
 - the staging buffer is reused chunk after chunk and batch after batch in the stream's order;
-  nothing else touches it. A load larger than it goes through its two halves in turn, each
-  half scattered on a second stream while the copy engine fills the other (the copy stream
-  waits for a half's scatter before refilling it, and for the last one when the load ends).
+  nothing else touches it.
 Off CUDA (the CPU worker, and CI) both pools are host tensors and there is no staging buffer:
 per layer, K or V, one numpy fancy-index copy moves the batch's rows (a load: the host pages'
 rows of that layer into the device pool; a write: the reverse). numpy copies each row with one
@@ -163,9 +161,8 @@ class HostKVPool:
         # the staging buffer (CUDA): whole pages on the device, used by the side stream only
         self.chunk_pages = max(1, min(staging_bytes // self.page_bytes, d.num_pages))
         self.stream = self.staging = self.scatter_stream = None
-        # layer by layer: one strided copy per run and layer (cudaMemcpy2DAsync); the scatters
-        # of a layered load, or of a load larger than the staging buffer, run on a second
-        # stream so the copy engine does not wait for them
+        # layer by layer: one strided copy per run and layer (cudaMemcpy2DAsync), scattered on
+        # a second stream so the copy engine never waits for a scatter
         self.layered = self.cuda and layered and memcpy_2d_available()
         if self.cuda and layered and not self.layered:
             logger.warning("no cudaMemcpy2DAsync: host-tier loads wait for the whole load")
@@ -173,15 +170,12 @@ class HostKVPool:
         self._layer_waits: list[list[torch.cuda.Event]] = [[] for _ in range(d.num_layers)]
         if self.cuda:
             self.stream = torch.cuda.Stream(d.device)
-            self.scatter_stream = torch.cuda.Stream(d.device)
+            if self.layered:
+                self.scatter_stream = torch.cuda.Stream(d.device)
             with torch.cuda.stream(self.stream):
                 self.staging = torch.empty(
                     (self.chunk_pages, *page), dtype=d.dtype, device=d.device
                 )
-        # a load larger than the staging buffer alternates its halves, scattering one while the
-        # other fills (False: chunk after chunk on the copy stream, bench/host_copy.py's
-        # reference)
-        self.pipeline_loads = True
         self._last_write_event: torch.cuda.Event | None = None
         # loads no step has waited for yet (copy's `needs`): (end event, device pages, the
         # per-layer events when layered, else None)
@@ -381,15 +375,12 @@ class HostKVPool:
             event.record(self.stream)
         return event
 
-    def _copy_runs(
-        self, host_ids, starts, lengths, a: int, b: int, load: bool, at: int = 0
-    ) -> None:
+    def _copy_runs(self, host_ids, starts, lengths, a: int, b: int, load: bool) -> None:
         """Chunk [a, b) of a batch sorted by host page: each run of consecutive host pages is
-        one copy between the pool and the staging rows [at, at + b - a) (a load: pool ->
-        staging)."""
+        one copy between the pool and the staging rows [0, b - a) (a load: pool -> staging)."""
         for j, r in _runs_in(starts, lengths, a, b):
-            s, row = int(host_ids[j]), at + j - a
-            pool, staged = self._buffer[s : s + r], self._staging[row : row + r]
+            s = int(host_ids[j])
+            pool, staged = self._buffer[s : s + r], self._staging[j - a : j - a + r]
             if load:
                 staged.copy_(pool, non_blocking=True)
             else:
@@ -431,39 +422,19 @@ class HostKVPool:
         return start, end
 
     def _load_group(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Queue loads on the copy stream (the current stream here). A load larger than the
-        staging buffer goes through its two halves in turn, each half's scatter on the scatter
-        stream, so the copy engine fills one half while the other is scattered (the copy
-        stream waits for a half's scatter before refilling it, and for the last one at the
-        end)."""
+        """Queue loads on the copy stream (the current stream here), chunk after chunk of the
+        staging buffer: each chunk's runs copied in, then scattered into the device pool. (A
+        second stream scattering one half of the buffer while the other fills measured no
+        faster on the H200 — the scatter is ~1 % of the copy — docs/hicache.md.)"""
         starts, lengths = self._count(src, load=True)
         idx = (
             torch.from_numpy(dst.astype(np.int64))
             .pin_memory()
             .to(self.dev.device, non_blocking=True)
         )
-        half = self.chunk_pages // 2
-        if len(src) <= self.chunk_pages or half < 1 or not self.pipeline_loads:
-            for a, b in self._chunks(len(src)):
-                self._copy_runs(src, starts, lengths, a, b, load=True)
-                self._scatter_device(idx[a:b], self._staging[: b - a])
-            return
-        idx.record_stream(self.scatter_stream)
-        done: list[torch.cuda.Event] = []  # each chunk's scatter
-        for i, (a, b) in enumerate(self._chunks_of(len(src), half)):
-            at = (i % 2) * half
-            if i >= 2:  # the half's previous chunk is scattered
-                self.stream.wait_event(done[i - 2])
-            self._copy_runs(src, starts, lengths, a, b, load=True, at=at)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-            self.scatter_stream.wait_event(copied)
-            with torch.cuda.stream(self.scatter_stream):
-                self._scatter_device(idx[a:b], self._staging[at : at + b - a])
-                scattered = torch.cuda.Event()
-                scattered.record(self.scatter_stream)
-            done.append(scattered)
-        self.stream.wait_event(done[-1])  # the staging buffer is the copy stream's again
+        for a, b in self._chunks(len(src)):
+            self._copy_runs(src, starts, lengths, a, b, load=True)
+            self._scatter_device(idx[a:b], self._staging[: b - a])
 
     def _load_layers(self, src: np.ndarray, dst: np.ndarray) -> list[torch.cuda.Event]:
         """Queue loads layer by layer (the copy stream is the current stream): per layer, one

@@ -179,13 +179,6 @@ def test_the_cuda_paths_run_copies_move_each_chunk_between_pool_and_staging():
     want = before.clone()
     want[torch.from_numpy(ids)] *= 2  # written back to their own pages, the others untouched
     assert torch.equal(pool.buffer, want)
-    # `at`: the rows of the staging buffer's second half (a load larger than the buffer
-    # alternates its halves)
-    pool.staging = torch.full((6, *pool.buffer.shape[1:]), -1.0)
-    pool._staging = pool.staging.view(torch.int32)
-    pool._copy_runs(ids, starts, lengths, 3, 6, load=True, at=3)
-    assert torch.equal(pool.staging[3:6], pool.buffer[torch.from_numpy(ids[3:6])])
-    assert torch.all(pool.staging[:3] == -1)
 
 
 def pool_page_bytes(dev: KVPool) -> int:

@@ -115,3 +115,45 @@ def test_prefill_chunks_match_a_per_request_reference(case):
             assert c.span == (int(p[0]), int(p[-1]) + 1)
         # the view holds exactly what an index_select of the locations would
         assert torch.equal(c.gather(pool.k_flat(0)), pool.k_flat(0)[c.kv_locs].unsqueeze(0))
+
+
+GROUPING_CASES = {
+    # (pages, qo_lens, G per chunk): G = HEADS // KV_HEADS = 2 where G * n <= GROUPED_QUERY_ROWS
+    "cached prefix, a few new tokens": ([np.arange(10, 40)], [6], [2]),
+    "cached prefix, new tokens on other pages": ([np.r_[10:34, 90:96]], [6], [2]),
+    "fresh prompt (causal, no mask)": ([np.arange(10, 40)], [30], [0]),
+    "cached prefix, too many new tokens": ([np.arange(10, 80)], [33], [0]),
+    "two chunks": ([np.arange(10, 40), np.r_[50:60, 70:75]], [8, 5], [2, 2]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GROUPING_CASES)
+def test_small_chunks_over_a_cached_prefix_run_their_query_heads_grouped(case, monkeypatch):
+    """A KV head's query heads as G*n rows of one SDPA (no enable_gqa), with the mask repeated
+    per query head and additive: the same outputs, bitwise, as the per-query-head SDPA."""
+    from radix_runtime.worker.attention import torch_native
+
+    pages, qo_lens, groups = GROUPING_CASES[case]
+    calls = []
+    sdpa = torch_native.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((tuple(q.shape), kw["enable_gqa"], kw["attn_mask"]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch_native.F, "scaled_dot_product_attention", spy)
+    backend, pool, q, out = planned_forward(pages, qo_lens, seed=2)
+    torch.testing.assert_close(out, reference(q, pool, pages, qo_lens), rtol=1e-5, atol=1e-5)
+    chunks = backend._plans[0][1]
+    assert [c.grouped for c in chunks] == groups
+    for (shape, gqa, mask), c, n in zip(calls, chunks, qo_lens):
+        if c.grouped:
+            assert shape == (1, KV_HEADS, c.grouped * n, DIM) and not gqa
+            assert mask.dtype == torch.float32 and mask.shape[-2] == c.grouped * n
+        else:
+            assert shape == (1, HEADS, n, DIM) and gqa
+    # the per-query-head path (grouping off) computes the very same numbers
+    monkeypatch.setattr(torch_native, "GROUPED_QUERY_ROWS", 0)
+    ungrouped = planned_forward(pages, qo_lens, seed=2)
+    assert not any(c.grouped for c in ungrouped[0]._plans[0][1])
+    assert torch.equal(out, ungrouped[3])

@@ -5,6 +5,12 @@ stores the new K/V, gathers each request's whole sequence from the pool, and run
 `F.scaled_dot_product_attention` with GQA. Decode requests (one new token each) share one padded
 SDPA call; prefill chunks run one call each with a causal mask shifted by their cached prefix.
 
+A small prefill chunk with a cached prefix (a chat's next turn: a few new tokens over a long
+history) runs grouped-query attention as plain attention over G*n query rows per KV head (the G
+query heads of a KV head stacked, with the chunk's mask repeated and made additive once per
+step): one SDPA work item per KV head instead of per query head, ~25% less attention time for
+9 tokens over ~950 keys, and bitwise the same outputs (`_PrefillChunk.grouped`).
+
 Sliding-window layers (a window of W keys: a query at position p sees positions > p - W) get a
 plan of their own: only the keys inside some query's window are gathered, so cached K/V
 outside the window are never read, and the mask cuts the rest.
@@ -12,7 +18,7 @@ outside the window are never read, and the mask cuts the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,13 +45,36 @@ class _DecodeGroup:
         return flat.index_select(0, self.kv_locs).view(*self.shape, *flat.shape[1:])
 
 
+# a prefill chunk with a mask whose query heads, stacked per KV head, make at most this many rows
+# runs grouped (`_PrefillChunk.grouped`); past it the [G*n, seq_len] mask grows and the flash
+# kernel's own blocking over n rows gains nothing from it (measured: 9 and 20 new tokens over ~950
+# keys gain 22% and 8%)
+GROUPED_QUERY_ROWS = 64
+
+
 @dataclass
 class _PrefillChunk:
     start: int  # token rows [start, end) of the batch
     end: int
     kv_locs: torch.Tensor  # [seq_len] int64
-    mask: torch.Tensor | None  # [n, seq_len] bool, None when there is no cached prefix
+    # [n, seq_len] bool, None when there is no cached prefix; a grouped chunk's is [G*n, seq_len]
+    # (row g*n + j: query j of the KV head's g-th query head)
+    mask: torch.Tensor | None
     span: tuple[int, int] | None = None  # the keys at pool locations [a, b): a view, no gather
+    grouped: int = 0  # G > 0: the queries run as [1, Hkv, G*n, D] against their KV heads
+    _additive: dict = field(default_factory=dict)  # dtype -> the mask as 0 / -inf (grouped)
+
+    def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as SDPA takes it ([rows, seq_len]): bool, or for a grouped chunk additive in
+        the queries' dtype, made once per step (the flash kernel would convert it every layer)."""
+        if not self.grouped or self.mask is None:
+            return self.mask
+        additive = self._additive.get(dtype)
+        if additive is None:
+            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            additive.masked_fill_(~self.mask, float("-inf"))
+            self._additive[dtype] = additive
+        return additive
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         """[1, seq_len, Hkv, D] from a layer's [locations, Hkv, D] pool."""
@@ -140,7 +169,11 @@ class TorchNativeBackend(AttentionBackend):
         # pages after its prefix's) reads a view of the pool instead of copying it every layer
         span = _span(locs)
         kv_locs = torch.from_numpy(locs).to(self.device)
-        return _PrefillChunk(start, end, kv_locs, mask, span)
+        group = self.num_heads // self.num_kv_heads
+        grouped = 0
+        if mask is not None and group > 1 and group * (end - start) <= GROUPED_QUERY_ROWS:
+            grouped, mask = group, mask.repeat(group, 1)
+        return _PrefillChunk(start, end, kv_locs, mask, span, grouped)
 
     def forward(
         self,
@@ -169,10 +202,17 @@ class TorchNativeBackend(AttentionBackend):
                 q[d.rows].unsqueeze(2), d.gather(k_all), d.gather(v_all), d.mask, causal=False
             ).squeeze(2)
         for c in prefills:
+            n = c.end - c.start
             q_c = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            mask = c.mask[None, None] if c.mask is not None else None
+            mask = c.attn_mask(q.dtype)
+            mask = mask[None, None] if mask is not None else None
             k_c, v_c = c.gather(k_all), c.gather(v_all)
-            out[c.start : c.end] = self._sdpa(q_c, k_c, v_c, mask)[0].transpose(0, 1)
+            if c.grouped:  # [1, Hkv, G*n, D]: a KV head's query heads one after the other
+                q_c = q_c.reshape(1, self.num_kv_heads, c.grouped * n, q.shape[-1])
+                o = self._sdpa(q_c, k_c, v_c, mask, gqa=False).reshape(self.num_heads, n, -1)
+                out[c.start : c.end] = o.transpose(0, 1)
+            else:
+                out[c.start : c.end] = self._sdpa(q_c, k_c, v_c, mask)[0].transpose(0, 1)
         return out
 
     def _sdpa(
@@ -182,9 +222,11 @@ class TorchNativeBackend(AttentionBackend):
         v: torch.Tensor,
         mask: torch.Tensor | None,
         causal: bool = True,
+        gqa: bool = True,
     ) -> torch.Tensor:
         """q [B, H, n, D]; k/v [B, L, Hkv, D] as gathered from the pool. Without a mask: causal
-        (prefill) or every key (`causal=False`: decode rows whose keys need no padding)."""
+        (prefill) or every key (`causal=False`: decode rows whose keys need no padding).
+        `gqa=False`: q already has one head per KV head (a grouped chunk's [1, Hkv, G*n, D])."""
         if self._read is not None:
             k, v = self._read[0].dequantize(self._read[1], k, v)
         k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
@@ -192,7 +234,7 @@ class TorchNativeBackend(AttentionBackend):
             attn_mask=mask,
             is_causal=mask is None and causal,
             scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            enable_gqa=gqa and self.num_heads != self.num_kv_heads,
         )
         if q.device.type == "cpu":  # no cuDNN to keep out; the context costs ~30 us a layer
             return F.scaled_dot_product_attention(q, k, v, **kwargs)
