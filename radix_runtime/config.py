@@ -327,7 +327,8 @@ _HELP = {
     "int8 / int4 (float32 activations, our quantized kernels); auto: float32, or bfloat16 with "
     "--dtype bfloat16 (docs/cpu_weight_formats.md)",
     "cpu_small_step_threads": "intra-op threads of a CPU step of at most 2 tokens (a batch-1 or "
-    "-2 decode step; larger steps use all of the worker's threads); 0: all of them. One thread "
+    "-2 decode step) or of one request's chunk of at most 32 (a chat's next turn over its cached "
+    "history); larger steps use all of the worker's threads; 0: all of them. One thread "
     "skips the OpenMP hand-offs that cost more than a second thread gains on such tiny matmuls "
     "and leaves the other cores to the scheduler and HTTP processes (docs/cpu_weight_formats.md)",
     "disable_cpu_native_decoder": "run the CPU path's decoder layers through the Python modules "

@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 NO_GRAMMAR = "constrained decoding is not available (xgrammar is not installed)"
 # a CPU step of at most this many tokens runs on --cpu-small-step-threads intra-op threads
 SMALL_STEP_TOKENS = 2
+# ... and so does a lone request's step of at most this many (a chat's next turn over its cached
+# history): a second thread gains nothing on it and, where another process holds a core, makes
+# every parallel region wait for it (docs/decisions.md, "A cached turn's chunk on one thread")
+SMALL_CHUNK_TOKENS = 32
 _PLACEHOLDER = np.zeros(1, np.int32)  # a from_last_sample row's input id on the host
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,7 +144,8 @@ class ModelRunner:
         self.device = self.tp.pin(pick_device(args.device))
         self.dtype = pick_dtype(args.dtype, self.device)
         # CPU intra-op threads: all of this rank's cores, and `small_step_threads` for a step of
-        # at most SMALL_STEP_TOKENS tokens (`_cpu_threads_for`)
+        # at most SMALL_STEP_TOKENS tokens or a lone request's of SMALL_CHUNK_TOKENS
+        # (`_cpu_threads_for`)
         self.threads = self.small_step_threads = 0
         if self.device.type == "cpu":
             self.threads = cpu_threads(ranks_here=args.tp // args.nnodes)
@@ -416,7 +421,7 @@ class ModelRunner:
         if layout is None:
             return pending
         if self.threads:
-            self._cpu_threads_for(layout.meta.num_tokens)
+            self._cpu_threads_for(layout.meta.num_tokens, len(batch.reqs))
         self._in_flight[pending.step] = layout.pages
         # the host tier's layered loads this step reads (HostKVPool.take_layer_waits)
         waits = self.host_pool.take_layer_waits() if self.host_pool is not None else None
@@ -430,14 +435,14 @@ class ModelRunner:
             self._deferred = pending
         return pending
 
-    def _cpu_threads_for(self, tokens: int) -> None:
+    def _cpu_threads_for(self, tokens: int, requests: int) -> None:
         """Intra-op threads of a CPU step's layers: one (--cpu-small-step-threads) for a batch-1/2
         decode step, whose matmuls are too small for a second thread to pay for its OpenMP
-        hand-offs (docs/decisions.md, "CPU decode threads"); all of them for anything larger
-        (and for every step's LM head)."""
-        self._set_cpu_threads(
-            self.small_step_threads if tokens <= SMALL_STEP_TOKENS else self.threads
-        )
+        hand-offs (docs/decisions.md, "CPU decode threads"), and for a lone request's chunk of
+        at most SMALL_CHUNK_TOKENS (a cached turn); all of them for anything larger (and for
+        every step's LM head)."""
+        small = tokens <= SMALL_STEP_TOKENS or (requests == 1 and tokens <= SMALL_CHUNK_TOKENS)
+        self._set_cpu_threads(self.small_step_threads if small else self.threads)
 
     @staticmethod
     def _set_cpu_threads(n: int) -> None:

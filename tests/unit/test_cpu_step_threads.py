@@ -1,7 +1,8 @@
 """CPU intra-op threads per step (ModelRunner._cpu_threads_for, --cpu-small-step-threads): the
-layers of a batch-1/2 decode step run on one thread, anything larger (prefill, batch-3 decode) on
-all of the worker's threads, and the LM head always on all of them; 0 keeps all threads for
-everything. The tokens are the same either way."""
+layers of a batch-1/2 decode step and of a lone request's chunk of at most SMALL_CHUNK_TOKENS run
+on one thread, anything larger (a prefill of two requests, batch-3 decode, a lone request's
+longer chunk) on all of the worker's threads, and the LM head always on all of them; 0 keeps all
+threads for everything. The tokens are the same either way."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from radix_runtime import messages as m
 from radix_runtime.config import ServerArgs
-from radix_runtime.worker.model_runner import SMALL_STEP_TOKENS, ModelRunner
+from radix_runtime.worker.model_runner import SMALL_CHUNK_TOKENS, SMALL_STEP_TOKENS, ModelRunner
 
 GREEDY = m.SamplingParams(temperature=0.0)
 
@@ -25,11 +26,11 @@ def _restore_threads(monkeypatch):
 
 def decode_threads(small: int) -> tuple[list[tuple[int, int]], list[int]]:
     """((threads of the layers, of the LM head) per step, tokens of slot 0): a prefill of two
-    requests, three batch-2 decode steps, two batch-1 decode steps, a 2-token prefill, then a
-    batch-3 decode step."""
+    requests, three batch-2 decode steps, two batch-1 decode steps, a 2-token prefill, a batch-3
+    decode step, then lone prefills of 9 and of SMALL_CHUNK_TOKENS + 1 tokens."""
     args = ServerArgs(
         model="tiny-llama", load_format="dummy", model_config="tiny-llama", device="cpu",
-        max_total_tokens=256, max_running_requests=4, cpu_small_step_threads=small,
+        max_total_tokens=512, max_running_requests=6, cpu_small_step_threads=small,
     )  # fmt: skip
     r = ModelRunner(args)
     seen, tokens = [], []
@@ -45,7 +46,8 @@ def decode_threads(small: int) -> tuple[list[tuple[int, int]], list[int]]:
 
     r.model.forward = record("layers", layers)
     r.model.compute_logits = record("head", head)
-    prompts = {0: [5, 6, 7, 8], 1: [9, 10, 11], 2: [12, 13]}
+    prompts = {0: [5, 6, 7, 8], 1: [9, 10, 11], 2: [12, 13], 3: list(range(20, 29)),
+               4: list(range(30, 31 + SMALL_CHUNK_TOKENS))}  # fmt: skip
     last = {}
     step = 0
 
@@ -76,17 +78,20 @@ def decode_threads(small: int) -> tuple[list[tuple[int, int]], list[int]]:
         run([dec(0)])
     run([opening(2)])
     run([dec(0), dec(1), dec(2)])
+    run([opening(3)])
+    run([opening(4)])
     return seen, tokens
 
 
 def test_small_steps_run_on_one_thread_and_give_the_same_tokens():
-    assert SMALL_STEP_TOKENS == 2
+    assert SMALL_STEP_TOKENS == 2 and SMALL_CHUNK_TOKENS == 32
     seen, tokens = decode_threads(small=1)
-    # layers: prefill (7 tokens) 2; batch-2 and batch-1 decode 1; a 2-token prefill 1; batch 3: 2
-    assert [layers for layers, _ in seen] == [2, 1, 1, 1, 1, 1, 1, 2]
-    assert [head for _, head in seen] == [2] * 8
+    # layers: prefill of two (7 tokens) 2; batch-2 and batch-1 decode 1; a 2-token prefill 1;
+    # batch 3: 2; a lone 9-token prefill 1, a lone 33-token one 2
+    assert [layers for layers, _ in seen] == [2, 1, 1, 1, 1, 1, 1, 2, 1, 2]
+    assert [head for _, head in seen] == [2] * 10
     seen_all, tokens_all = decode_threads(small=0)
-    assert seen_all == [(2, 2)] * 8
+    assert seen_all == [(2, 2)] * 10
     assert tokens == tokens_all
 
 
