@@ -206,12 +206,12 @@ def cached_turn_parts(url: str, tag: str) -> dict[str, float] | None:
     """A cached turn as `measure` times it, split by the server's /metrics (read before and
     after it): ms of the client's TTFT, the server's TTFT, its TTFT_PARTS and the front (client
     minus server); None without /metrics (llama.cpp's server)."""
+    if scheduler_times(url, None) is None:  # no /metrics of ours: no turn to spend
+        return None
     history = long_prompt(f"chat {tag}")
     _, answer = complete(url, history, 24)
     turn2 = history + answer["choices"][0]["text"] + "\nQuestion: and in one word?"
     before = scheduler_times(url, None)
-    if before is None:
-        return None
     sent, first, _, _, _ = stream(url, turn2, 2)
     return ttft_parts(first - sent, times_delta(before, scheduler_times(url, None)))
 

@@ -76,11 +76,16 @@ class Tokenizer:
         probe = backend.encode("", add_special_tokens=True).ids
         self.add_bos_token = self.bos_token_id is not None and probe[:1] == [self.bos_token_id]
         self._byte_decoder = _byte_decoder_kind(backend)
+        self._encode_fast = getattr(backend, "encode_batch_fast", None)
 
     # -----------------------------------------------------------------------------------------
     # ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # `encode_batch_fast` (tokenizers >= 0.20) skips the offsets that `encode` tracks and we
+        # never read: the same ids, ~20% less time on every prompt (~0.25 ms of a ~900-token one)
+        if self._encode_fast is not None:
+            return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:

@@ -467,3 +467,23 @@ def test_unknown_gguf_pre_tokenizer_falls_back_to_gpt2(bpe_folder: str, tmp_path
     assert "some-new-model" in caplog.text
     text = "don't   split 2024 like llama3's 12345"
     assert unknown.encode(text) == load_tokenizer(b).encode(text)
+
+
+def test_encode_takes_the_offset_free_path_with_the_same_ids(default_tok: Tokenizer) -> None:
+    """`encode` goes through the backend's `encode_batch_fast` (no offsets tracked), and its ids
+    are those of the backend's full `encode`, special tokens and BOS handling included."""
+    backend = default_tok.backend
+    if not hasattr(backend, "encode_batch_fast"):
+        pytest.skip("tokenizers < 0.20 has no encode_batch_fast")
+    texts = [*SAMPLES, *_random_texts(50), "x " * 3000]
+    for add in (True, False):
+        for text in texts:
+            assert default_tok.encode(text, add) == backend.encode(text, add_special_tokens=add).ids
+    calls = []
+    fast = default_tok._encode_fast
+    default_tok._encode_fast = lambda batch, **kw: calls.append(batch) or fast(batch, **kw)
+    try:
+        default_tok.encode("Hello world")
+    finally:
+        default_tok._encode_fast = fast
+    assert calls == [["Hello world"]]
