@@ -157,3 +157,11 @@ def test_small_chunks_over_a_cached_prefix_run_their_query_heads_grouped(case, m
     ungrouped = planned_forward(pages, qo_lens, seed=2)
     assert not any(c.grouped for c in ungrouped[0]._plans[0][1])
     assert torch.equal(out, ungrouped[3])
+
+
+def test_chunks_off_the_cpu_keep_their_per_head_calls():
+    """Grouping was measured on the CPU's flash kernel: another device plans per-head calls."""
+    backend = TorchNativeBackend(HEADS, KV_HEADS, DIM, torch.device("meta"))
+    backend.plan(metadata([np.arange(10, 40)], [6]))
+    (chunk,) = backend._plans[0][1]
+    assert chunk.grouped == 0 and chunk.mask.shape == (6, 30)

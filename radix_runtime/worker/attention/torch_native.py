@@ -5,11 +5,11 @@ stores the new K/V, gathers each request's whole sequence from the pool, and run
 `F.scaled_dot_product_attention` with GQA. Decode requests (one new token each) share one padded
 SDPA call; prefill chunks run one call each with a causal mask shifted by their cached prefix.
 
-A small prefill chunk with a cached prefix (a chat's next turn: a few new tokens over a long
-history) runs grouped-query attention as plain attention over G*n query rows per KV head (the G
-query heads of a KV head stacked, with the chunk's mask repeated and made additive once per
-step): one SDPA work item per KV head instead of per query head, ~25% less attention time for
-9 tokens over ~950 keys, and bitwise the same outputs (`_PrefillChunk.grouped`).
+On the CPU, a small prefill chunk with a cached prefix (a chat's next turn: a few new tokens
+over a long history) runs grouped-query attention as plain attention over G*n query rows per KV
+head (the G query heads of a KV head stacked, with the chunk's mask repeated and made additive
+once per step): one SDPA work item per KV head instead of per query head, ~25% less attention
+time for 9 tokens over ~950 keys, and bitwise the same outputs (`_PrefillChunk.grouped`).
 
 Sliding-window layers (a window of W keys: a query at position p sees positions > p - W) get a
 plan of their own: only the keys inside some query's window are gathered, so cached K/V
@@ -169,9 +169,11 @@ class TorchNativeBackend(AttentionBackend):
         # pages after its prefix's) reads a view of the pool instead of copying it every layer
         span = _span(locs)
         kv_locs = torch.from_numpy(locs).to(self.device)
+        # (the CPU's flash kernel: measured there; CUDA keeps its kernels' per-head calls)
         group = self.num_heads // self.num_kv_heads
         grouped = 0
-        if mask is not None and group > 1 and group * (end - start) <= GROUPED_QUERY_ROWS:
+        small = group * (end - start) <= GROUPED_QUERY_ROWS
+        if mask is not None and group > 1 and small and self.device.type == "cpu":
             grouped, mask = group, mask.repeat(group, 1)
         return _PrefillChunk(start, end, kv_locs, mask, span, grouped)
 
