@@ -9,9 +9,19 @@
 
 #include "cpu_quant_kernels.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
+
+// The float32 row loops below (rms_norm, rope_store, add_into) are bitwise ATen's separate mul /
+// add / div kernels only if the compiler does not contract a * b + c into one FMA: this file is
+// built without -mfma (setup.py), which keeps every product rounded on its own.
+#if defined(__FMA__)
+#error "cpu_decoder.cpp must be built without FMA contraction (its row loops mirror ATen bitwise)"
+#endif
 
 namespace {
 
@@ -121,15 +131,35 @@ class CpuDecoder {
       plan.chunks.push_back(
           Chunk{start, end, KeySource{a, b, locs.value_or(Tensor())}, m, grouped});
     }
+    // float32 activations, pool and tables: the elementwise work of a layer runs as plain loops
+    // over the rows (one pass each instead of ~25 small ATen calls, bitwise the same results)
+    const bool rows = row_loops_ && h.scalar_type() == at::kFloat && h.dim() == 2 &&
+                      cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                      cos.is_contiguous() && sin.is_contiguous() &&
+                      out_cache_loc.scalar_type() == at::kLong && !k_flat_.empty() &&
+                      k_flat_[0].scalar_type() == at::kFloat;
+    if (rows) h = h.contiguous().clone();  // the residual stream, updated in place
+    const Tensor loc = rows ? out_cache_loc.contiguous() : out_cache_loc;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      h = h + attention(i, l, rms_norm(h, l.input_norm), cos, sin, out_cache_loc, plan);
+      if (rows) {
+        add_into(h, attention(i, l, rms_norm_rows(h, l.input_norm), cos, sin, loc, plan, true));
+        Tensor gate_up = l.gate_up(rms_norm_rows(h, l.post_norm));
+        auto parts = gate_up.chunk(2, -1);
+        add_into(h, l.down(at::silu(parts[0]).mul_(parts[1])));
+        continue;
+      }
+      h = h + attention(i, l, rms_norm(h, l.input_norm), cos, sin, out_cache_loc, plan, false);
       Tensor gate_up = l.gate_up(rms_norm(h, l.post_norm));
       auto parts = gate_up.chunk(2, -1);
       h = h + l.down(at::silu(parts[0]) * parts[1]);
     }
     return h;
   }
+
+  // Off: every layer runs its elementwise work as ATen calls (tests compare the two)
+  void set_row_loops(bool on) { row_loops_ = on; }
+  bool row_loops() const { return row_loops_; }
 
  private:
   struct Chunk {
@@ -154,6 +184,92 @@ class CpuDecoder {
     return weight * n.to(x.scalar_type());
   }
 
+  // rms_norm of float32 rows: the reduction stays ATen's (its summation order), the rest
+  // (+ eps, rsqrt = 1 / sqrt, the two products) is one pass, as ATen rounds each step
+  Tensor rms_norm_rows(const Tensor& x, const Tensor& weight) const {
+    if (weight.scalar_type() != at::kFloat || !weight.is_contiguous())
+      return rms_norm(x, weight);
+    Tensor ms = x.pow(2).mean({-1}, true);  // [N, 1]
+    Tensor out = at::empty_like(x);
+    const int64_t n = x.size(0), c = x.size(1);
+    const float eps = static_cast<float>(eps_);
+    const float* xp = x.data_ptr<float>();
+    const float* mp = ms.data_ptr<float>();
+    const float* wp = weight.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, n, rows_grain(c), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float inv = 1.0f / std::sqrt(mp[r] + eps);
+        const float* xr = xp + r * c;
+        float* orow = op + r * c;
+        for (int64_t j = 0; j < c; ++j) {
+          const float normed = xr[j] * inv;
+          orow[j] = wp[j] * normed;
+        }
+      }
+    });
+    return out;
+  }
+
+  // rows per OpenMP task: a batch-1 row runs inline (no fork/join), a prefill's rows split as
+  // ATen splits an elementwise op (GRAIN_SIZE elements a task)
+  static int64_t rows_grain(int64_t width) {
+    return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, width));
+  }
+
+  // h += y, row-major float32 (ATen's add of two floats: one rounding)
+  static void add_into(Tensor& h, const Tensor& y) {
+    Tensor yc = y.contiguous();
+    float* hp = h.data_ptr<float>();
+    const float* yp = yc.data_ptr<float>();
+    at::parallel_for(0, h.numel(), at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) hp[j] = hp[j] + yp[j];
+    });
+  }
+
+  // rope() of the q and k heads of qkv [N, (H + 2 Hkv) D] in one pass: q comes back as
+  // [N, H, D]; the rotated k and the v rows go straight to the pool at `loc` (KVPool.store)
+  Tensor rope_store(const Tensor& qkv_in, const Tensor& cos, const Tensor& sin,
+                    const Tensor& loc, const Tensor& k_all, const Tensor& v_all) const {
+    Tensor qkv = qkv_in.contiguous();
+    const int64_t n = qkv.size(0), d = head_dim_, half = d / 2;
+    const int64_t heads = num_heads_ + num_kv_heads_, width = qkv.size(1);
+    const int64_t kv = num_kv_heads_ * d;
+    Tensor q = at::empty({n, num_heads_, d}, qkv.options());
+    const float* src = qkv.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t* lp = loc.data_ptr<int64_t>();
+    float* qp = q.data_ptr<float>();
+    float* kp = k_all.data_ptr<float>();
+    float* vp = v_all.data_ptr<float>();
+    const int64_t pool_rows = k_all.size(0);
+    for (int64_t r = 0; r < n; ++r) {  // the pool rows are checked before any is written
+      TORCH_CHECK(lp[r] >= 0 && lp[r] < pool_rows, "out_cache_loc ", lp[r], " outside the pool");
+    }
+    at::parallel_for(0, n, rows_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = src + r * width;
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      const int64_t dst = lp[r];
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = row + h * d;
+        float* o = h < num_heads_ ? qp + (r * num_heads_ + h) * d
+                                  : kp + dst * kv + (h - num_heads_) * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const float rotated = j < half ? -x[j + half] : x[j - half];
+          const float a = x[j] * c[j];
+          const float b = rotated * s[j];
+          o[j] = a + b;
+        }
+      }
+      std::memcpy(vp + dst * kv, row + heads * d, sizeof(float) * kv);
+    }
+    });
+    return q;
+  }
+
   // layers/rotary.py apply_rope (rotate-half)
   static Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
     int64_t half = x.size(-1) / 2;
@@ -174,19 +290,26 @@ class CpuDecoder {
 
   // models/llama.py LlamaAttention + torch_native.TorchNativeBackend.forward
   Tensor attention(size_t i, const Layer& l, const Tensor& x, const Tensor& cos, const Tensor& sin,
-                   const Tensor& out_cache_loc, const Plan& plan) const {
+                   const Tensor& out_cache_loc, const Plan& plan, bool rows) const {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     Tensor qkv = l.qkv(x);
-    Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads_ + num_kv_heads_, head_dim_});
-    auto qk_split = rope(qk, cos, sin).split({num_heads_, num_kv_heads_}, 1);
-    const Tensor& q = qk_split[0];
-    const Tensor& k = qk_split[1];
-    Tensor v = qkv.slice(1, q_size + kv_size).view({-1, num_kv_heads_, head_dim_});
     const Tensor& k_all = k_flat_[i];
     const Tensor& v_all = v_flat_[i];
-    // KVPool.store
-    k_all.index_put_({out_cache_loc}, k.to(k_all.scalar_type()));
-    v_all.index_put_({out_cache_loc}, v.to(v_all.scalar_type()));
+    Tensor q;
+    if (rows && qkv.scalar_type() == at::kFloat && k_all.is_contiguous() &&
+        v_all.is_contiguous()) {
+      q = rope_store(qkv, cos, sin, out_cache_loc, k_all, v_all);
+    } else {
+      Tensor qk =
+          qkv.slice(1, 0, q_size + kv_size).view({-1, num_heads_ + num_kv_heads_, head_dim_});
+      auto qk_split = rope(qk, cos, sin).split({num_heads_, num_kv_heads_}, 1);
+      q = qk_split[0];
+      const Tensor& k = qk_split[1];
+      Tensor v = qkv.slice(1, q_size + kv_size).view({-1, num_kv_heads_, head_dim_});
+      // KVPool.store
+      k_all.index_put_({out_cache_loc}, k.to(k_all.scalar_type()));
+      v_all.index_put_({out_cache_loc}, v.to(v_all.scalar_type()));
+    }
     Tensor out;
     if (plan.has_decode && !plan.decode_rows.defined()) {
       out = sdpa(q.unsqueeze(2), gather_decode(plan, k_all), gather_decode(plan, v_all),
@@ -226,6 +349,7 @@ class CpuDecoder {
   double eps_, scale_;
   std::vector<Layer> layers_;
   std::vector<Tensor> k_flat_, v_flat_;
+  bool row_loops_ = true;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -234,6 +358,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &CpuDecoder::add_layer)
       .def("bind_pool", &CpuDecoder::bind_pool)
+      .def_property("row_loops", &CpuDecoder::row_loops, &CpuDecoder::set_row_loops)
       .def("forward", &CpuDecoder::forward, py::call_guard<py::gil_scoped_release>());
   radix_cpu::bind_quant_kernels(m);
 }

@@ -115,3 +115,19 @@ def test_a_decoder_built_for_another_pool_is_not_used(folders):
     assert not r.model.cpu_decoder.serves(r.attn, other.kv_pool)
     assert not r.model.cpu_decoder.serves(other.attn, r.kv_pool)
     assert r.model.cpu_decoder.serves(r.attn, r.kv_pool)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_row_loops_are_bitwise_the_aten_calls(folders, fmt):
+    """float32 steps run RMSNorm's tail, RoPE + the KV store and the residual adds as C++ loops
+    over the rows (cpu_decoder.cpp); the same steps through the ATen calls give the same logits
+    and the same pool bits, in every attention plan `drive` covers."""
+    loops = runner(folders["llama"], cpu_weight_format=fmt)
+    aten = runner(folders["llama"], cpu_weight_format=fmt)
+    assert loops.model.cpu_decoder._impl.row_loops  # on by default
+    aten.model.cpu_decoder._impl.row_loops = False
+    for ours, theirs in drive(Driver([loops, aten])):
+        assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+    for i in range(loops.model.config.num_layers):
+        assert torch.equal(loops.kv_pool.k_flat(i), aten.kv_pool.k_flat(i))
+        assert torch.equal(loops.kv_pool.v_flat(i), aten.kv_pool.v_flat(i))
