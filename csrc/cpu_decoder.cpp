@@ -9,6 +9,8 @@
 
 #include "cpu_quant_kernels.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -68,7 +70,159 @@ struct KeySource {
   }
 };
 
+
+// Attention of one query row per sequence over all of its keys (a decode step without padding):
+// q [B, H, D], k / v [B, L, Hkv, D] float32 (any strides but a contiguous D), out [B, H, D].
+// Each (sequence, KV head) pair: scores of its G query heads against every key, softmax (max
+// subtracted, float32 sums in key order), the weighted sum of the values. The Python layers'
+// decode (attention/torch_native.py) calls this same function, so both paths give the same bits.
+// ATen's flash SDPA costs ~30-55 us a layer here (blocking, buffers) for ~2 us of arithmetic.
+static void decode_attention_rows(
+    const float* q, const float* k, const float* v, float* out, int64_t b0, int64_t b1,
+    int64_t heads, int64_t kv_heads, int64_t len, int64_t d, float scale, int64_t ks_b,
+    int64_t ks_l, int64_t ks_h, int64_t vs_b, int64_t vs_l, int64_t vs_h, float* scores) {
+  const int64_t group = heads / kv_heads;
+  constexpr int64_t W = 16;
+  for (int64_t t = b0; t < b1; ++t) {
+    const int64_t b = t / kv_heads, g = t % kv_heads;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const float* qh = q + (b * heads + h) * d;
+      float* sc = scores + (h - g * group) * len;
+      float mx = -INFINITY;
+      for (int64_t l = 0; l < len; ++l) {
+        const float* kr = k + b * ks_b + l * ks_l + g * ks_h;
+        float acc[W] = {0};
+        int64_t j = 0;
+        for (; j + W <= d; j += W)
+          for (int64_t u = 0; u < W; ++u) acc[u] += qh[j + u] * kr[j + u];
+        for (; j < d; ++j) acc[j % W] += qh[j] * kr[j];
+        float dot = 0.f;
+        for (int64_t u = 0; u < W; ++u) dot += acc[u];
+        sc[l] = dot * scale;
+        mx = std::max(mx, sc[l]);
+      }
+      float sum = 0.f;
+      for (int64_t l = 0; l < len; ++l) {
+        sc[l] = std::exp(sc[l] - mx);
+        sum += sc[l];
+      }
+      float* o = out + (b * heads + h) * d;
+      for (int64_t j = 0; j < d; ++j) o[j] = 0.f;
+      for (int64_t l = 0; l < len; ++l) {
+        const float* vr = v + b * vs_b + l * vs_l + g * vs_h;
+        const float p = sc[l];
+        for (int64_t j = 0; j < d; ++j) o[j] += p * vr[j];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < d; ++j) o[j] *= inv;
+    }
+  }
+}
+
+// exp of 16 floats <= 0 (Cephes' expf: 2^n times a degree-6 polynomial of the remainder,
+// ~1 ulp; below -87 it flushes towards 0 as a softmax weight may)
+__attribute__((target("avx512f"))) static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
+// decode_attention_rows with AVX-512 (d a multiple of 16): a key row's dot products with the G
+// query heads of its KV head in 16-lane FMAs, the value rows added in 16-lane FMAs.
+__attribute__((target("avx512f"))) static void decode_attention_rows_avx512(
+    const float* q, const float* k, const float* v, float* out, int64_t b0, int64_t b1,
+    int64_t heads, int64_t kv_heads, int64_t len, int64_t d, float scale, int64_t ks_b,
+    int64_t ks_l, int64_t ks_h, int64_t vs_b, int64_t vs_l, int64_t vs_h, float* scores) {
+  const int64_t group = heads / kv_heads;
+  for (int64_t t = b0; t < b1; ++t) {
+    const int64_t b = t / kv_heads, g = t % kv_heads;
+    const float* q0 = q + (b * heads + g * group) * d;
+    for (int64_t l = 0; l < len; ++l) {
+      const float* kr = k + b * ks_b + l * ks_l + g * ks_h;
+      for (int64_t hh = 0; hh < group; ++hh) {
+        const float* qh = q0 + hh * d;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 16)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j), _mm512_loadu_ps(kr + j), acc);
+        scores[hh * len + l] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+    for (int64_t hh = 0; hh < group; ++hh) {
+      float* sc = scores + hh * len;
+      float mx = -INFINITY;
+      for (int64_t l = 0; l < len; ++l) mx = std::max(mx, sc[l]);
+      __m512 total = _mm512_setzero_ps();
+      const __m512 m = _mm512_set1_ps(mx);
+      for (int64_t l = 0; l < len; l += 16) {
+        const __mmask16 live = len - l >= 16 ? 0xFFFF : (__mmask16)((1u << (len - l)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + l), m));
+        _mm512_mask_storeu_ps(sc + l, live, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+      }
+      const float sum = _mm512_reduce_add_ps(total);
+      float* o = out + (b * heads + g * group + hh) * d;
+      const __m512 inv = _mm512_set1_ps(1.0f / sum);
+      for (int64_t j0 = 0; j0 < d; j0 += 64) {  // up to 4 independent accumulator chains
+        const int64_t n = std::min<int64_t>(4, (d - j0) / 16);
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        const float* vr = v + b * vs_b + g * vs_h + j0;
+        for (int64_t l = 0; l < len; ++l) {
+          const __m512 p = _mm512_set1_ps(sc[l]);
+          for (int64_t u = 0; u < n; ++u)
+            acc[u] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + l * vs_l + 16 * u), acc[u]);
+        }
+        for (int64_t u = 0; u < n; ++u) _mm512_storeu_ps(o + j0 + 16 * u, _mm512_mul_ps(acc[u], inv));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+// q [B, H, D], k / v [B, L, Hkv, D] float32 on the CPU -> [B, H, D] (decode_attention_rows)
+Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [B, H, D], k/v [B, L, Hkv, D]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && q_in.device().is_cpu(),
+              "float32 CPU tensors");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q_in.size(0) && k.size(3) == q_in.size(2),
+              "k and v [B, L, Hkv, D] with q's B and D");
+  TORCH_CHECK(k.size(1) > 0 && q_in.size(1) % k.size(2) == 0, "keys, and H a multiple of Hkv");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "a contiguous head dimension");
+  Tensor q = q_in.contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t len = k.size(1), kv_heads = k.size(2), group = heads / kv_heads;
+  Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t work = std::max<int64_t>(1, 2 * group * len * d);
+  static const bool avx512_cpu = __builtin_cpu_supports("avx512f");
+  const bool avx512 = avx512_cpu && d % 16 == 0;
+  at::parallel_for(0, batch * kv_heads, std::max<int64_t>(1, at::internal::GRAIN_SIZE / work),
+                   [&](int64_t t0, int64_t t1) {
+                     std::vector<float> scores(group * len);
+                     auto rows = avx512 ? decode_attention_rows_avx512 : decode_attention_rows;
+                     rows(qp, kp, vp, op, t0, t1, heads, kv_heads, len, d,
+                                           static_cast<float>(scale), k.stride(0), k.stride(1),
+                                           k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                                           scores.data());
+                   });
+  return out;
+}
 
 class CpuDecoder {
  public:
@@ -311,7 +465,11 @@ class CpuDecoder {
       v_all.index_put_({out_cache_loc}, v.to(v_all.scalar_type()));
     }
     Tensor out;
-    if (plan.has_decode && !plan.decode_rows.defined()) {
+    if (plan.has_decode && !plan.decode_rows.defined() && !plan.decode_mask.defined() &&
+        q.scalar_type() == at::kFloat && k_all.scalar_type() == at::kFloat) {
+      // torch_native.TorchNativeBackend.forward: a decode-only step without padding
+      out = decode_attention(q, gather_decode(plan, k_all), gather_decode(plan, v_all), scale_);
+    } else if (plan.has_decode && !plan.decode_rows.defined()) {
       out = sdpa(q.unsqueeze(2), gather_decode(plan, k_all), gather_decode(plan, v_all),
                  plan.decode_mask, false)
                 .squeeze(2);
@@ -360,5 +518,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bind_pool", &CpuDecoder::bind_pool)
       .def_property("row_loops", &CpuDecoder::row_loops, &CpuDecoder::set_row_loops)
       .def("forward", &CpuDecoder::forward, py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
+        "one query row per sequence over all its keys: q [B, H, D], k/v [B, L, Hkv, D] float32");
   radix_cpu::bind_quant_kernels(m);
 }

@@ -131,3 +131,24 @@ def test_row_loops_are_bitwise_the_aten_calls(folders, fmt):
     for i in range(loops.model.config.num_layers):
         assert torch.equal(loops.kv_pool.k_flat(i), aten.kv_pool.k_flat(i))
         assert torch.equal(loops.kv_pool.v_flat(i), aten.kv_pool.v_flat(i))
+
+
+@pytest.mark.parametrize(
+    "batch,length,heads,kv_heads", [(1, 1, 9, 3), (1, 77, 9, 3), (3, 40, 4, 4)]
+)
+def test_decode_attention_is_sdpa_of_one_query_row(batch, length, heads, kv_heads):
+    """The C++ decode attention (one query row per request over all of its keys, on pool views
+    with a head stride) against ATen's SDPA with grouped query heads."""
+    ext = cpu_native.load_extension()
+    g = torch.Generator().manual_seed(batch * 100 + length)
+    pool_k = torch.randn(batch, length + 5, kv_heads, 64, generator=g) * 2
+    pool_v = torch.randn(batch, length + 5, kv_heads, 64, generator=g)
+    k, v = pool_k[:, 3 : 3 + length], pool_v[:, 3 : 3 + length]  # strided views, as of the pool
+    q = torch.randn(batch, heads, 64, generator=g)
+    ours = ext.decode_attention(q, k, v, 0.125)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale=0.125, enable_gqa=True
+    ).squeeze(2)
+    torch.testing.assert_close(ours, ref, atol=2e-6, rtol=2e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.decode_attention(q.double(), k, v, 0.125)
