@@ -140,3 +140,28 @@ def test_the_env_var_forces_the_torch_twin_or_a_path():
     if EXT is not None:
         code = "from radix_runtime.worker import cpu_quant as q; print(q.kernels().kernel_isa())"
         assert _in_subprocess({cpu_quant.KERNEL_ISA_ENV: "scalar"}, code) == "scalar"
+
+
+@needs_ext
+@pytest.mark.parametrize("kind,n,k", [("int4", 96, 128), ("int8", 100, 70), ("int4", 40, 1536)])
+@pytest.mark.parametrize("rows", [4, 64, 257])
+def test_many_rows_match_single_rows_and_every_path(kind, n, k, rows):
+    """The many-rows path (weights unpacked once per call, rows in groups of 8 and chunks of 128
+    quantized rows): the same bits as one row at a time, as the scalar path and as one thread."""
+    lin, weight = layer(kind, n, k)
+    x = inputs(rows, k)
+    many = run(lin, x)
+    alone = torch.cat([run(lin, x[i : i + 1]) for i in range(0, rows, 37)])
+    assert torch.equal(many[::37], alone)
+    for isa in ISAS[1:]:
+        assert torch.equal(run(lin, x, isa), many), isa
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(lin, x), many)
+    finally:
+        torch.set_num_threads(threads)
+    bf = x.bfloat16()
+    assert torch.equal(run(lin, bf), torch.cat([run(lin, bf[i : i + 1]) for i in range(rows)]))
+    ref = x @ weight.T + lin.bias
+    assert (many - ref).abs().max() < 1e-4 * ref.abs().max()
