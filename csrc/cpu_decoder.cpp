@@ -338,22 +338,26 @@ class CpuDecoder {
     return weight * n.to(x.scalar_type());
   }
 
-  // rms_norm of float32 rows: the reduction stays ATen's (its summation order), the rest
-  // (+ eps, rsqrt = 1 / sqrt, the two products) is one pass, as ATen rounds each step
+  // rms_norm of float32 rows: the sum of squares stays ATen's (its summation order), the rest
+  // (/ count, + eps, rsqrt = 1 / sqrt, the two products) is one pass, as ATen rounds each step
   Tensor rms_norm_rows(const Tensor& x, const Tensor& weight) const {
     if (weight.scalar_type() != at::kFloat || !weight.is_contiguous())
       return rms_norm(x, weight);
-    Tensor ms = x.pow(2).mean({-1}, true);  // [N, 1]
+    // ATen's mean on the CPU is its sum, then a true division by the count: the same two steps
+    // here without mean's wrapper and div_ call
+    Tensor ss = at::sum(x.pow(2), {-1}, true);  // [N, 1]
     Tensor out = at::empty_like(x);
     const int64_t n = x.size(0), c = x.size(1);
     const float eps = static_cast<float>(eps_);
     const float* xp = x.data_ptr<float>();
-    const float* mp = ms.data_ptr<float>();
+    const float* mp = ss.data_ptr<float>();
+    const float count = static_cast<float>(c);
     const float* wp = weight.data_ptr<float>();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, n, rows_grain(c), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const float inv = 1.0f / std::sqrt(mp[r] + eps);
+        const float mean = mp[r] / count;
+        const float inv = 1.0f / std::sqrt(mean + eps);
         const float* xr = xp + r * c;
         float* orow = op + r * c;
         for (int64_t j = 0; j < c; ++j) {
