@@ -45,20 +45,16 @@ class _DecodeGroup:
         return flat.index_select(0, self.kv_locs).view(*self.shape, *flat.shape[1:])
 
 
-def _row_attention(q: torch.Tensor, k_all: torch.Tensor) -> bool:
-    """Whether a decode step's attention runs as the C++ row loop (float32 on the CPU, with the
-    `_cpu_decoder` extension built): ATen's flash SDPA costs ~30-55 us a layer for one query."""
-    global _EXT
+def _row_attention(q: torch.Tensor, k_all: torch.Tensor):
+    """The C++ row loop a decode step's attention runs as (float32 on the CPU, with the
+    `_cpu_decoder` extension built; ATen's flash SDPA costs ~30-55 us a layer for one query),
+    else None."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_all.dtype != torch.float32:
-        return False
-    if _EXT is None:
-        from radix_runtime.worker import cpu_native
+        return None
+    from radix_runtime.worker import cpu_native  # (it imports this module)
 
-        _EXT = cpu_native.load_extension() or False
-    return _EXT is not False
-
-
-_EXT = None  # the _cpu_decoder extension, False when it is not built
+    ext = cpu_native.load_extension()  # loaded once there
+    return ext.decode_attention if ext is not None else None
 
 
 # a prefill chunk with a mask whose query heads, stacked per KV head, make at most this many rows
@@ -210,10 +206,11 @@ class TorchNativeBackend(AttentionBackend):
         decode, prefills = self._plans[self.window(layer_id)]
         if decode is not None and decode.rows is None:  # decode only: no scatter into `out`
             d = decode
-            if d.mask is None and self._read is None and _row_attention(q, k_all):
+            row_loop = _row_attention(q, k_all) if d.mask is None and self._read is None else None
+            if row_loop is not None:
                 # one query row per request over all of its keys: the C++ loop the native
                 # decoder runs too (csrc/cpu_decoder.cpp decode_attention), bitwise the same
-                return _EXT.decode_attention(q, d.gather(k_all), d.gather(v_all), self.scale)
+                return row_loop(q, d.gather(k_all), d.gather(v_all), self.scale)
             return self._sdpa(
                 q.unsqueeze(2), d.gather(k_all), d.gather(v_all), d.mask, causal=False
             ).squeeze(2)
