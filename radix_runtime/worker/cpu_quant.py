@@ -30,13 +30,10 @@ file's. docs/cpu_weight_formats.md has the accuracy and speed behind `auto`.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 CPU_WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 INT4_GROUP = 32  # input columns per block (one weight scale, one activation scale)
@@ -63,12 +60,10 @@ def kernels():
     if _KERNELS is None:
         _KERNELS = False
         if os.environ.get(KERNEL_ISA_ENV) != "torch":
-            try:
-                from radix_runtime.worker import _cpu_decoder
+            from radix_runtime.worker import cpu_native  # (it imports this module)
 
-                _KERNELS = _cpu_decoder
-            except ImportError as exc:
-                logger.info("quantized CPU kernels not available (%s): torch twin", exc)
+            # the one import of the extension (it logs why when there is none)
+            _KERNELS = cpu_native.load_extension() or False
     return _KERNELS or None
 
 
