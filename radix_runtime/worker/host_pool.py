@@ -317,8 +317,7 @@ class HostKVPool:
                 raise ValueError(f"host page ids outside [1, {self.num_pages})")
 
     def _chunks(self, n: int):
-        for a in range(0, n, self.chunk_pages):
-            yield a, min(a + self.chunk_pages, n)
+        return self._chunks_of(n, self.chunk_pages)
 
     def _gather_device(self, idx: torch.Tensor, out: torch.Tensor) -> None:
         """Device pages `idx` -> `out` [len(idx), layers, 2, ...] (page major): one stack kernel
