@@ -64,6 +64,23 @@ if Pybind11Extension is not None:
     )
 else:
     print("WARNING: pybind11 is not installed; the C++ radix tree is not built", file=sys.stderr)
+
+
+def _openmp_flags() -> list[str]:
+    """-fopenmp where torch runs its intra-op threads on OpenMP (the Linux wheels): ATen's
+    at::parallel_for is inline in its headers and splits work between threads only in code
+    compiled with OpenMP; without it the kernels' loops run on one thread. Compile flag only: the
+    GOMP symbols bind to the libgomp that libtorch_cpu already loads (one OpenMP runtime, the
+    threads torch.set_num_threads sets), never to a second copy from the compiler."""
+    import torch
+
+    return (
+        ["-fopenmp"]
+        if sys.platform.startswith("linux") and torch.backends.openmp.is_available()
+        else []
+    )
+
+
 if CppExtension is not None:
     ext_modules.append(
         CppExtension(
@@ -73,7 +90,7 @@ if CppExtension is not None:
             depends=["csrc/cpu_quant_kernels.h"],
             # the SIMD kernels carry their own target attributes and are chosen at run time
             # (__builtin_cpu_supports), so the module runs on any x86-64 CPU it is copied to
-            extra_compile_args=["-O3"],
+            extra_compile_args=["-O3", *_openmp_flags()],
         )
     )
 else:

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -513,6 +514,12 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t kind, int64_t
   Tensor rows = x.reshape({-1, in_features}).contiguous();
   const int64_t n_rows = rows.size(0), k = in_features, kp = blocks * kBlock;
   const Isa* isa = g_isa;
+  auto shape = x.sizes().vec();
+  shape.back() = out_features;
+  const auto out_dtype = float_out ? at::kFloat : rows.scalar_type();
+  // no rows (an LM head over a step that samples nothing): nothing to split between threads
+  // (the tile grain below divides by the row count)
+  if (n_rows == 0) return at::empty(shape, rows.options().dtype(out_dtype));
 
   // pass p of row r is quantized row r * act_passes + p: the passes of a row go through the tile
   // kernel as neighbouring rows, its weights unpacked once for both
@@ -548,7 +555,6 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t kind, int64_t
   });
   const Act act{xq_p, dx_p, mdx_p, sx_p, blocks};
 
-  const auto out_dtype = float_out ? at::kFloat : rows.scalar_type();
   Tensor y = at::empty({n_rows, out_features}, rows.options().dtype(out_dtype));
   Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
@@ -623,8 +629,6 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t kind, int64_t
       }
     });
   }
-  auto shape = x.sizes().vec();
-  shape.back() = out_features;
   return y.view(shape);
 }
 
@@ -640,6 +644,19 @@ void bind_quant_kernels(pybind11::module& m) {
     }
     return names;
   }, "the paths this CPU can run, best first");
+  m.def("parallel_threads", [](int64_t tasks) {
+    // how many threads one at::parallel_for of `tasks` one-item tasks runs on: 1 in a module
+    // built without OpenMP (ATen's parallel_for is inline and runs serially there)
+    std::atomic<int64_t> used{1};
+    at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+      int64_t seen = used.load();
+      const int64_t mine = at::get_thread_num() + 1;
+      while (seen < mine && !used.compare_exchange_weak(seen, mine)) {
+      }
+    });
+    return used.load();
+  }, pybind11::call_guard<pybind11::gil_scoped_release>(),
+     "threads one parallel_for of `tasks` tasks ran on (1 without OpenMP)");
   m.def("set_kernel_isa", [](const std::string& name) {
     const Isa* isa = find_isa(name);
     TORCH_CHECK(isa != nullptr, "unknown kernel ISA ", name);

@@ -152,3 +152,50 @@ def test_decode_attention_is_sdpa_of_one_query_row(batch, length, heads, kv_head
     torch.testing.assert_close(ours, ref, atol=2e-6, rtol=2e-5)
     with pytest.raises(RuntimeError, match="float32"):
         ext.decode_attention(q.double(), k, v, 0.125)
+
+
+@pytest.fixture(scope="module")
+def wide_folder(tmp_path_factory):
+    """A model wide enough that one step's loops split between two threads: prefill rows of 512
+    values (RMSNorm, RoPE, residual rows), 32-48 tiles per projection, decode attention of a KV
+    head over ~200 keys."""
+    model = tiny_hf_model(
+        "llama",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    return save_hf(model, tmp_path_factory.mktemp("wide") / "llama")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_one_and_two_threads_give_the_same_bits(wide_folder, fmt):
+    """The C++ layers and the quantized kernels split rows, output tiles and KV heads between
+    threads, never a sum: a step's logits and KV rows are bitwise the same on 1 and 2 threads, in
+    a prefill of two requests, a chunk that samples nothing (an LM head of no rows), a batch-2
+    decode and a lone decode. (float32's products are MKL's sgemm, whose blocking follows the
+    thread count for some shapes: a 70-row chunk differs in the last bits, Python layers too.)"""
+    ext = cpu_native.load_extension()
+    if torch.backends.openmp.is_available() and ext.parallel_threads(8) == 1:
+        pytest.fail("the extension's parallel_for runs on one thread (built without OpenMP?)")
+    one, two = (runner(wide_folder, cpu_weight_format=fmt, page_size=16) for _ in range(2))
+    for r, n in ((one, 1), (two, 2)):  # the runner sets torch's threads to these for each step
+        r.threads = r.small_step_threads = n
+    driver = Driver([one, two])
+    a, b = Seq(0), Seq(1)
+    ids = (PROMPT * 5)[:200]
+    steps = [driver.step([driver.req(a, ids[:120]), driver.req(b, ids[3:130])])]
+    steps.append(driver.step([driver.req(a, ids[120:190], sample=False, prompt_logprobs=False)]))
+    steps.append(driver.step([driver.req(a, ids[190:]), driver.req(b, [5])]))
+    steps += [driver.step([driver.req(a, [9 + i]), driver.req(b, [7])]) for i in range(2)]
+    steps += [driver.step([driver.req(a, [30 + i])]) for i in range(2)]
+    for (_, ours), (_, theirs) in steps:
+        assert len(ours) == len(theirs)
+        for x, y in zip(ours, theirs):
+            assert (x is None and y is None) or torch.equal(x, y)
+    for i in range(one.model.config.num_layers):
+        assert torch.equal(one.kv_pool.k_flat(i), two.kv_pool.k_flat(i))
+        assert torch.equal(one.kv_pool.v_flat(i), two.kv_pool.v_flat(i))

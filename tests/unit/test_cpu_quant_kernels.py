@@ -4,6 +4,7 @@ to each other; a row's result independent of the other rows and of the thread co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -35,6 +36,17 @@ def inputs(rows: int, k: int, seed: int = 1) -> torch.Tensor:
     x[:, 3] *= 40
     x[:, k // 2] *= -25
     return x
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch's intra-op threads (the kernels' at::parallel_for) set to `n` inside."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run(lin, x, isa=None, passes=None):
@@ -96,12 +108,11 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads(isa, kind):
     alone = torch.cat([run(lin, x[i : i + 1], isa) for i in range(11)])
     assert torch.equal(together, alone)
     assert torch.equal(run(lin, x[3:9], isa), together[3:9])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(run(lin, x, isa), together)
-    finally:
-        torch.set_num_threads(threads)
+    with threads(1):
+        one = run(lin, x, isa)
+    with threads(2):  # the output tiles split between two threads
+        assert torch.equal(run(lin, x, isa), one)
+    assert torch.equal(one, together)
 
 
 @needs_ext
@@ -155,13 +166,37 @@ def test_many_rows_match_single_rows_and_every_path(kind, n, k, rows):
     assert torch.equal(many[::37], alone)
     for isa in ISAS[1:]:
         assert torch.equal(run(lin, x, isa), many), isa
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(run(lin, x), many)
-    finally:
-        torch.set_num_threads(threads)
+    for n in (1, 2):
+        with threads(n):
+            assert torch.equal(run(lin, x), many), n
     bf = x.bfloat16()
     assert torch.equal(run(lin, bf), torch.cat([run(lin, bf[i : i + 1]) for i in range(rows)]))
     ref = x @ weight.T + lin.bias
     assert (many - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_no_rows_give_an_empty_output(kind):
+    """An LM head over a step that samples nothing gets no rows; the tile split's grain is then
+    not computed (it divides by the row count: SIGFPE in a module built with OpenMP)."""
+    lin, _ = layer(kind, 48, 96)
+    for n in (1, 2):
+        with threads(n):
+            assert lin(torch.zeros(0, 96)).shape == (0, 48)
+            assert lin(torch.zeros(2, 0, 96).bfloat16()).dtype == torch.bfloat16
+            assert lin(torch.zeros(2, 0, 96)).shape == (2, 0, 48)
+
+
+@needs_ext
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and torch.backends.openmp.is_available()),
+    reason="the module is built with OpenMP where torch runs its threads on it (setup.py)",
+)
+def test_the_kernels_run_on_every_intra_op_thread():
+    """ATen's at::parallel_for is inline: it runs on torch's threads only in a module compiled with
+    OpenMP (setup.py's -fopenmp); without it every kernel loop ran on one thread."""
+    with threads(2):
+        assert EXT.parallel_threads(8) == 2
+    with threads(1):
+        assert EXT.parallel_threads(8) == 1
