@@ -95,6 +95,29 @@ def configure_logging(level: str, role: str) -> None:
 # nothing is pickled and secrets (the API key) never show up in `ps`.
 
 
+# GOMP_SPINCOUNT of the children's OpenMP threads (libgomp: busy-wait iterations before sleeping,
+# ~0.25 ms here): a step's ~200 parallel regions follow each other within microseconds, and
+# waking a sleeping thread for each (futex) cost more than the second thread gained; past it the
+# thread sleeps, so between steps it leaves the core to the scheduler and HTTP processes
+# (docs/decisions.md, "The CPU kernels on every thread")
+OMP_SPIN_COUNT = "10000"
+
+
+def child_env(env: dict | None = None) -> dict:
+    """A child's environment: ours, `env` on top, and the defaults below where neither sets them."""
+    env = {**os.environ, **(env or {})}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # OpenMP threads that spin while waiting starve the other processes of the server on a
+    # small CPU machine (measured: a decode step 1.0 s with libgomp's default spin of ~6 ms vs
+    # 0.13-0.2 s passive on 2 busy cores), and sleeping at once between the closely spaced
+    # parallel regions of one step makes a second thread slower than one: a short bounded spin.
+    # An OMP_WAIT_POLICY or GOMP_SPINCOUNT of the user's is left alone.
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
+    return env
+
+
 def spawn_child(
     module: str, payload: dict, env: dict | None = None, new_session: bool = False
 ) -> subprocess.Popen:
@@ -102,16 +125,10 @@ def spawn_child(
     its own process group, so signals sent to ours (Ctrl-C, `kill -- -PGID`) reach only us and
     we decide what to forward (the data-parallel supervisor does)."""
     payload = {**payload, "parent_pid": os.getpid()}
-    env = {**os.environ, **(env or {})}
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    # OpenMP threads that spin while waiting starve the other processes of the server on a
-    # small CPU machine (measured: a decode step 1.0 s spinning vs 0.13-0.2 s passive on 2
-    # busy cores); passive waiting costs nothing measurable on the GPU path.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     proc = subprocess.Popen(
         [sys.executable, "-m", module],
         stdin=subprocess.PIPE,
-        env=env,
+        env=child_env(env),
         start_new_session=new_session,
     )
     assert proc.stdin is not None
