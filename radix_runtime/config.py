@@ -23,7 +23,7 @@ class ServerArgs:
     # CPU weights: auto | float32 | bfloat16 | int8 | int4 (see worker/cpu_quant.py)
     cpu_weight_format: str = "auto"
     # intra-op threads of a CPU step of at most 2 tokens (batch-1/2 decode); 0: all of them
-    cpu_small_step_threads: int = 1
+    cpu_small_step_threads: int = 0
     # run the CPU path's decoder layers through the Python modules, not the C++ decoder
     disable_cpu_native_decoder: bool = False
     # quantize an unquantized checkpoint at load: none | fp8 (W8A8) | int4 (RTN, accuracy only)
@@ -328,9 +328,9 @@ _HELP = {
     "--dtype bfloat16 (docs/cpu_weight_formats.md)",
     "cpu_small_step_threads": "intra-op threads of a CPU step of at most 2 tokens (a batch-1 or "
     "-2 decode step) or of one request's chunk of at most 32 (a chat's next turn over its cached "
-    "history); larger steps use all of the worker's threads; 0: all of them. One thread "
-    "skips the OpenMP hand-offs that cost more than a second thread gains on such tiny matmuls "
-    "and leaves the other cores to the scheduler and HTTP processes (docs/cpu_weight_formats.md)",
+    "history); larger steps use all of the worker's threads; 0 (the default): all of them. "
+    "1 leaves the other cores to the scheduler and HTTP processes, for a machine where other "
+    "jobs hold cores (docs/cpu_weight_formats.md)",
     "disable_cpu_native_decoder": "run the CPU path's decoder layers through the Python modules "
     "instead of the C++ decoder (csrc/cpu_decoder.cpp: the same operations, bitwise the same "
     "outputs, without the interpreter's per-operation overhead; docs/cpu_weight_formats.md)",

@@ -61,11 +61,12 @@ from radix_runtime.worker.sampler import DeviceSample, Sampler, target_logprobs
 logger = logging.getLogger(__name__)
 
 NO_GRAMMAR = "constrained decoding is not available (xgrammar is not installed)"
-# a CPU step of at most this many tokens runs on --cpu-small-step-threads intra-op threads
+# a CPU step of at most this many tokens runs on --cpu-small-step-threads intra-op threads (by
+# default all of them; 1 for a machine where other jobs hold cores: there every parallel region
+# of a step waits for a thread that is not running, docs/decisions.md "A cached turn's chunk")
 SMALL_STEP_TOKENS = 2
 # ... and so does a lone request's step of at most this many (a chat's next turn over its cached
-# history): a second thread gains nothing on it and, where another process holds a core, makes
-# every parallel region wait for it (docs/decisions.md, "A cached turn's chunk on one thread")
+# history)
 SMALL_CHUNK_TOKENS = 32
 _PLACEHOLDER = np.zeros(1, np.int32)  # a from_last_sample row's input id on the host
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -436,11 +437,9 @@ class ModelRunner:
         return pending
 
     def _cpu_threads_for(self, tokens: int, requests: int) -> None:
-        """Intra-op threads of a CPU step's layers: one (--cpu-small-step-threads) for a batch-1/2
-        decode step, whose matmuls are too small for a second thread to pay for its OpenMP
-        hand-offs (docs/decisions.md, "CPU decode threads"), and for a lone request's chunk of
-        at most SMALL_CHUNK_TOKENS (a cached turn); all of them for anything larger (and for
-        every step's LM head)."""
+        """Intra-op threads of a CPU step's layers: --cpu-small-step-threads (default: all) for a
+        batch-1/2 decode step and for a lone request's chunk of at most SMALL_CHUNK_TOKENS (a
+        cached turn); all of them for anything larger (and for every step's LM head)."""
         small = tokens <= SMALL_STEP_TOKENS or (requests == 1 and tokens <= SMALL_CHUNK_TOKENS)
         self._set_cpu_threads(self.small_step_threads if small else self.threads)
 

@@ -95,6 +95,13 @@ def test_small_steps_run_on_one_thread_and_give_the_same_tokens():
     assert tokens == tokens_all
 
 
+def test_small_steps_use_every_thread_by_default():
+    """With the kernels on every thread (OpenMP) and a short spin between parallel regions, two
+    threads beat one on every step size measured (docs/decisions.md, "The CPU kernels on every
+    thread"): 1 is the opt-in for a machine where other jobs hold cores."""
+    assert ServerArgs().cpu_small_step_threads == 0
+
+
 def test_flag_rejects_negative_threads():
     with pytest.raises(ValueError, match="cpu-small-step-threads"):
         ServerArgs(cpu_small_step_threads=-1).validate()
