@@ -61,6 +61,12 @@ VARIANTS = {
     "fp8": {"quantization": "fp8"},
     "fp8_mma": {"quantization": "fp8"},
     "fp8_mma_all": {"quantization": "fp8"},
+    "fp8_mma_all+head": {"quantization": "fp8", "quantize_lm_head": True},
+    "fp8_mma_wide": {"quantization": "fp8"},
+    "fp8_mma_wide+head": {"quantization": "fp8", "quantize_lm_head": True},
+    "fp8_nopdl": {"quantization": "fp8"},
+    "fp8_mma_wide_nopdl": {"quantization": "fp8"},
+    "int4_nosplit": {"quantization": "int4"},
     "fp8+head": {"quantization": "fp8", "quantize_lm_head": True},
     "fp8_mma+head": {"quantization": "fp8", "quantize_lm_head": True},
     "int4+head": {"quantization": "int4", "quantize_lm_head": True},
@@ -73,8 +79,33 @@ VARIANT_KERNELS = {
     "fp8": {"fp8_mma_max_rows": 0},
     "fp8_mma": {},  # the default: the tensor-core GEMV on wide FP8 products (fp8_mma_min_n)
     "fp8_mma_all": {"fp8_mma_min_n": 0},  # on every FP8 projection
+    "fp8_mma_all+head": {"fp8_mma_min_n": 0},
+    "fp8_mma_wide": {"fp8_mma_min_n": 16384},  # on gate/up (and a head) only
+    "fp8_mma_wide+head": {"fp8_mma_min_n": 16384},
     "fp8+head": {"fp8_mma_min_n": 65536},  # on the FP8 LM head only
+    "fp8_nopdl": {"fp8_mma_max_rows": 0, "pdl": False},
+    "fp8_mma_wide_nopdl": {"fp8_mma_min_n": 16384, "pdl": False},
 }
+
+
+# diagnostic variants: decode only (no prefill); `_nosplit`: the GEMV tables without split-K
+DECODE_ONLY = ("fp8_nopdl", "fp8_mma_wide_nopdl", "int4_nosplit")
+
+
+_CODE_TABLES: dict = {}  # the GEMV tables as the code has them, before this run's sweeps
+
+
+def _without_split(table: dict, split_at: int, code: dict) -> dict:
+    """A GEMV table with split-K taken out: a config with a split (element `split_at`: the int4
+    GEMV's 4, the FP8 tensor-core GEMV's 5) becomes the code table's config for its key when
+    that has none, else the config without its split."""
+    out = {}
+    for key, cfg in table.items():
+        if len(cfg) > split_at and cfg[split_at] > 1:
+            alt = code.get(key)
+            cfg = alt if alt is not None and len(alt) <= split_at else cfg[:split_at]
+        out[key] = tuple(cfg)
+    return out
 
 
 class QuantBench(Bench):
@@ -86,6 +117,21 @@ class QuantBench(Bench):
 
 
 def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
+    from radix_runtime.worker.kernels import fp8_gemv, int4_gemv
+
+    tables = dict(fp8_gemv.FP8_MMA_CONFIGS), dict(int4_gemv.INT4_GEMV_CONFIGS)
+    if name.endswith("_nosplit"):
+        code = _CODE_TABLES or {"fp8_mma": tables[0], "int4": tables[1]}
+        fp8_gemv.FP8_MMA_CONFIGS.update(_without_split(tables[0], 5, code["fp8_mma"]))
+        int4_gemv.INT4_GEMV_CONFIGS.update(_without_split(tables[1], 4, code["int4"]))
+    try:
+        return _measure(name, flags, args, read_tbps)
+    finally:
+        fp8_gemv.FP8_MMA_CONFIGS.update(tables[0])
+        int4_gemv.INT4_GEMV_CONFIGS.update(tables[1])
+
+
+def _measure(name: str, flags: dict, args, read_tbps: float) -> dict:
     from radix_runtime.worker.kernels import KernelConfig
 
     t0 = time.perf_counter()
@@ -123,12 +169,81 @@ def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
         graph_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
         out["decode_bs1_graph_ms"] = graph_ms
         out["decode_bs1_graph_read_bw_fraction"] = w_bytes / (graph_ms * 1e-3) / 1e12 / read_tbps
-    out[f"prefill_{args.prefill_tokens}_ms"] = bench.prefill(args.prefill_tokens, 1, 3)
+        if args.timeline:
+            out["decode_bs1_timeline"] = kernel_timeline(runner.cuda_graphs.graphs[1].replay)
+    if name not in DECODE_ONLY:
+        out[f"prefill_{args.prefill_tokens}_ms"] = bench.prefill(args.prefill_tokens, 1, 3)
     del bench, runner
     gc.collect()
     torch.cuda.empty_cache()
     print(name, {k: v for k, v in out.items() if not isinstance(v, dict)}, flush=True)
     return out
+
+
+def kernel_timeline(fn, steps: int = 5, roles: tuple[str, ...] = ("qkv", "o", "gate_up", "down")):
+    """Where a step's GPU time goes, by kernel role: `steps` calls of `fn` (a graph replay)
+    under torch.profiler; each kernel's duration, and its marginal time (its end minus the
+    previous kernel's end: what it adds to the step, its overlap with the kernel before it under
+    dependent launches excluded) and its gap (its start minus the previous kernel's end: negative
+    when it started early), summed per role in us per step (median over the steps). The step's
+    matmul kernels take `roles` in turn, per layer, the last one "lm_head"; the others are named
+    by their phase (bench/kernel_phases.py)."""
+    import json
+    import statistics
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.kernel_phases import kernel_phase
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            trace = json.load(g)
+    kernels = sorted(
+        (e["ts"], e["dur"], e["name"])
+        for e in trace["traceEvents"]
+        if e.get("cat") == "kernel" and "dur" in e
+    )
+    per_step = len(kernels) // steps
+    if per_step * steps != len(kernels) or per_step == 0:
+        return {"error": f"{len(kernels)} kernels in {steps} steps"}
+    by_role: dict[str, dict[str, list[float]]] = {}
+    spans = []
+    for s in range(steps):
+        ks = kernels[s * per_step : (s + 1) * per_step]
+        mm = [i for i, k in enumerate(ks) if kernel_phase(k[2]) == "matmul"]
+        labels = {i: roles[j % len(roles)] for j, i in enumerate(mm[:-1])}
+        if mm:
+            labels[mm[-1]] = "lm_head"
+        sums: dict[str, list[float]] = {}
+        prev_end = ks[0][0]
+        for i, (ts, dur, name) in enumerate(ks):
+            role = labels.get(i, kernel_phase(name))
+            row = sums.setdefault(role, [0.0, 0.0, 0.0, 0])
+            row[0] += dur
+            row[1] += ts + dur - prev_end
+            row[2] += ts - prev_end
+            row[3] += 1
+            prev_end = max(prev_end, ts + dur)
+        spans.append(prev_end - ks[0][0])
+        for role, row in sums.items():
+            for key, v in zip(("dur_us", "marginal_us", "gap_us", "kernels"), row):
+                by_role.setdefault(role, {}).setdefault(key, []).append(v)
+    return {
+        "kernels_per_step": per_step,
+        "span_us": statistics.median(spans),
+        "by_role": {
+            role: {key: statistics.median(v) for key, v in d.items()}
+            for role, d in sorted(by_role.items(), key=lambda kv: -sum(kv[1]["marginal_us"]))
+        },
+    }
 
 
 # the one-token layer's four GEMVs of the 8B shape: (name, rows, cols, prologue, residual add)
@@ -149,6 +264,10 @@ INT4_CONFIGS += [(2, 128, 4, 1), (4, 128, 4, 1), (2, 256, 8, 1), (4, 256, 8, 1)]
 INT4_NARROW_CONFIGS = [(2, 256, 8), (4, 256, 8), (2, 512, 8), (4, 512, 8), (4, 512, 16),
                        (1, 256, 8), (2, 256, 4), (4, 256, 4), (2, 256, 8, 1), (4, 256, 8, 1),
                        (2, 128, 4, 1)]  # fmt: skip
+# split-K on the narrow cases (BLOCK_Q, BLOCK_KW, warps, prefetch, split): 2 to 8 programs per
+# tile of rows, each over its share of the input (`--sweeps int4_split`, beside the table's)
+INT4_SPLIT_CONFIGS = [(4, 256, 8, 0, 2), (4, 128, 8, 0, 4), (4, 128, 4, 0, 4), (4, 256, 8, 1, 2),
+                      (4, 64, 4, 0, 8)]  # fmt: skip
 
 
 def _row_inputs(n: int, k: int, prologue: int, add: bool) -> tuple[torch.Tensor, dict]:
@@ -296,15 +415,80 @@ def gemv_int4_sweep(top: int = 4) -> dict:
     return out
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, swap) of kernels/fp8_gemv.py's tensor-core GEMV
-FP8_MMA_SWEEP = [(32, 512, 4, 3, 0), (64, 256, 4, 4, 0), (64, 256, 4, 4, 1), (64, 512, 4, 3, 1),
-                 (64, 1024, 4, 2, 1), (128, 256, 4, 3, 1), (128, 256, 8, 4, 1),
-                 (128, 512, 8, 3, 1)]  # fmt: skip
+def gemv_int4_split_sweep() -> dict:
+    """The int4 GEMV on the narrow cases of the one-token layer (qkv, o, down: 4,096-6,144 rows):
+    kernels/int4_gemv.py's table config against INT4_SPLIT_CONFIGS (split-K) and the bf16 GEMV,
+    us per product over distinct weights beyond L2 in one CUDA graph (as `gemv_int4_sweep`,
+    whose keys the cases share)."""
+    from bench.gemv_sweep import graph_us
+    from radix_runtime.worker.kernels import gemv
+    from radix_runtime.worker.kernels.int4_gemv import (
+        INT4_GEMV_CONFIGS,
+        INT4_GEMV_DEFAULT_CONFIG,
+        int4_gemv,
+        int4_gemv_scales,
+        interleave_quads,
+        pack_int4_rows,
+    )
+    from radix_runtime.worker.quant import rtn_int4_parts
+
+    out = {}
+    for name, n, k, prologue, add in ROW_CASES:
+        if n >= 16384:
+            continue
+        x, kw = _row_inputs(n, k, prologue, add)
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(_copies(n * k // 2))]  # fmt: skip
+        packed = []
+        for w in w16:
+            q, z, s, g = rtn_int4_parts(w)
+            packed.append((interleave_quads(pack_int4_rows(q)), int4_gemv_scales(s, z), g))
+        bf16_us = graph_us(
+            [lambda w=w, x=x, kw=kw: gemv.gemv(x, w, **kw) for w in w16[: _copies(2 * n * k)]]
+        )
+        del w16
+        int4_bytes = sum(t.numel() * t.element_size() for t in packed[0][:2])
+        table = INT4_GEMV_CONFIGS.get((n, k, prologue, add), INT4_GEMV_DEFAULT_CONFIG)
+        sweep = {}
+        for cfg in [tuple(table), *INT4_SPLIT_CONFIGS]:
+            try:
+                sweep[cfg] = graph_us(
+                    [lambda p=p, c=cfg, x=x, kw=kw: int4_gemv(x, *p, c, **kw) for p in packed]
+                )
+            except Exception as e:  # recorded, not fatal
+                print("gemv_int4_split", name, cfg, "failed:", str(e)[:200], flush=True)
+        best = min(sweep, key=sweep.get)
+        case = {
+            "bf16_us": bf16_us,
+            "bf16_TBps": 2 * n * k / bf16_us / 1e6,
+            "int4_bytes": int4_bytes,
+            "table_config": list(table),
+            "table_us": sweep.get(tuple(table)),
+            "int4_best_config": list(best),
+            "int4_best_us": sweep[best],
+            "int4_best_TBps": int4_bytes / sweep[best] / 1e6,
+            "int4_best_vs_bf16": bf16_us / sweep[best],
+            "int4_us": {str(list(c)): t for c, t in sorted(sweep.items(), key=lambda kv: kv[1])},
+        }
+        out[f"{name} {n}x{k}"] = case
+        del packed
+        torch.cuda.empty_cache()
+        print("gemv_int4_split", name, {k2: v for k2, v in case.items() if k2 != "int4_us"},
+              flush=True)  # fmt: skip
+    return out
+
+
+# (BLOCK_N, BLOCK_K, warps, stages, swap[, split]) of kernels/fp8_gemv.py's tensor-core GEMV: on
+# the wide products (>= 16,384 rows) tiles of whole rows, on the narrow ones (4,096 and 6,144
+# rows: 64-96 tiles of 64 rows for 132 SMs) also split-K, 2 to 8 programs per tile
+FP8_MMA_SWEEP = [(64, 512, 4, 3, 1), (128, 256, 4, 3, 1)]
+FP8_MMA_NARROW_SWEEP = [(64, 512, 4, 3, 1), (64, 256, 4, 4, 1, 2), (64, 256, 4, 4, 1, 4),
+                        (64, 512, 4, 3, 1, 4), (128, 256, 4, 3, 1, 4), (64, 256, 4, 4, 1, 8)]  # fmt: skip
 # the LM head (a plain product): what an FP8 head would run
 MMA_CASES = (*ROW_CASES, ("lm_head", 128256, 4096, 0, False))
 
 
-def gemv_fp8_mma_sweep() -> dict:
+def gemv_fp8_mma_sweep(narrow_only: bool = False) -> dict:
     """The W8A8 tensor-core GEMV (kernels/fp8_gemv.py) on the one-token layer's four cases and
     the LM head's shape, over FP8_MMA_SWEEP, against the bf16 GEMV and the W8A16 FP8 GEMV
     (kernels/gemv.py with `w_scale`, its table's config) on the same case: us per product and
@@ -317,6 +501,8 @@ def gemv_fp8_mma_sweep() -> dict:
 
     out = {}
     for name, n, k, prologue, add in MMA_CASES:
+        if narrow_only and n >= 16384:
+            continue
         x, kw = _row_inputs(n, k, prologue, add)
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(_copies(2 * n * k))]  # fmt: skip
@@ -332,7 +518,7 @@ def gemv_fp8_mma_sweep() -> dict:
             [lambda w=w, x=x, kw=kw: gemv.gemv(x, w[0], w_scale=w[1], **kw) for w in ws]
         )
         sweep, errors = {}, {}
-        for cfg in FP8_MMA_SWEEP:
+        for cfg in FP8_MMA_SWEEP if n >= 16384 else FP8_MMA_NARROW_SWEEP:
             try:
                 sweep[cfg] = graph_us([
                     lambda w=w, c=cfg, x=x, kw=kw: fp8_gemv.fp8_mma_gemv(x, *w, config=c, **kw)
@@ -348,7 +534,11 @@ def gemv_fp8_mma_sweep() -> dict:
             got = fp8_gemv.fp8_mma_gemv(x, *ws[0], config=best, **kw1)
             if add:
                 kw1["add_to"] = kw["add_to"].clone()
-            want = fp8_gemv.fp8_mma_gemv_torch(x, *ws[0], **kw1)
+            split = best[5] if len(best) > 5 else 1
+            k_split = fp8_gemv.split_columns(k, split, best[1])
+            want = fp8_gemv.fp8_mma_gemv_torch(
+                x, *ws[0], k_split=k_split if k_split < k else None, **kw1
+            )
             case.update(
                 mma_best_config=list(best),
                 mma_best_us=sweep[best],
@@ -458,13 +648,18 @@ def main() -> None:
     p.add_argument(
         "--sweeps",
         default="fp8,int4",
-        help="which sweeps run (fp8, int4, fp8_mma: the tensor-core FP8 GEMV; prefill_gemm: the "
-        "FP8 prefill's GEMMs at 8K tokens)",
+        help="which sweeps run (fp8, int4, int4_split: split-K on the narrow int4 cases, fp8_mma: "
+        "the tensor-core FP8 GEMV, fp8_mma_narrow: on the narrow cases only; prefill_gemm: the FP8 prefill's GEMMs at 8K tokens)",
     )
     p.add_argument(
         "--keep-configs",
         action="store_true",
         help="measure the variants with the code's GEMV tables, not this run's sweep winners",
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also each variant's graphed decode step by kernel role (kernel_timeline)",
     )
     p.add_argument("--out")
     args = p.parse_args()
@@ -481,18 +676,27 @@ def main() -> None:
         results["gemv_int4"] = gemv_int4_sweep()
         if args.out:
             write_json(args.out, results)
+    if "int4_split" in sweeps:
+        results.setdefault("gemv_int4", {}).update(gemv_int4_split_sweep())
+        if args.out:
+            write_json(args.out, results)
     if "fp8" in sweeps:
         results["gemv_fp8"] = gemv_fp8_sweep()
         if args.out:
             write_json(args.out, results)
-    if "fp8_mma" in sweeps:
-        results["gemv_fp8_mma"] = gemv_fp8_mma_sweep()
+    if "fp8_mma" in sweeps or "fp8_mma_narrow" in sweeps:
+        results["gemv_fp8_mma"] = gemv_fp8_mma_sweep(narrow_only="fp8_mma" not in sweeps)
         if args.out:
             write_json(args.out, results)
     if "prefill_gemm" in sweeps:
         results["prefill_gemm"] = prefill_gemm_probe(args.prefill_tokens)
         if args.out:
             write_json(args.out, results)
+    from radix_runtime.worker.kernels import fp8_gemv, int4_gemv
+
+    _CODE_TABLES.update(
+        fp8_mma=dict(fp8_gemv.FP8_MMA_CONFIGS), int4=dict(int4_gemv.INT4_GEMV_CONFIGS)
+    )
     if not args.keep_configs:  # the variants below run this run's best GEMV configs
         results["applied_configs"] = apply_best_configs(results)
     for name in filter(None, args.variants.split(",")):
@@ -510,7 +714,8 @@ def main() -> None:
     for name, v in results["variants"].items():
         if base is not None and name != "bf16":
             v["decode_bs1_vs_bf16"] = base["decode_bs1_ms"] / v["decode_bs1_ms"]
-            v[f"{pre.removesuffix('_ms')}_vs_bf16"] = base[pre] / v[pre]
+            if pre in v:
+                v[f"{pre.removesuffix('_ms')}_vs_bf16"] = base[pre] / v[pre]
             v["kv_tokens_vs_bf16"] = base["kv_bytes_per_token"] / v["kv_bytes_per_token"]
     if args.out:
         write_json(args.out, results)
