@@ -458,10 +458,23 @@ def gemv_int4_split_sweep() -> dict:
             except Exception as e:  # recorded, not fatal
                 print("gemv_int4_split", name, cfg, "failed:", str(e)[:200], flush=True)
         best = min(sweep, key=sweep.get)
+        errors = {}  # each split config's output against the table config's (no split)
+        if tuple(table) in sweep:
+            kw1 = dict(kw)
+            if add:
+                kw1["add_to"] = kw["add_to"].clone()
+            want = int4_gemv(x, *packed[0], tuple(table), **kw1).float()
+            for cfg in sweep:
+                if cfg != tuple(table):
+                    if add:
+                        kw1["add_to"] = kw["add_to"].clone()
+                    got = int4_gemv(x, *packed[0], cfg, **kw1).float()
+                    errors[str(list(cfg))] = ((got - want).norm() / want.norm()).item()
         case = {
             "bf16_us": bf16_us,
             "bf16_TBps": 2 * n * k / bf16_us / 1e6,
             "int4_bytes": int4_bytes,
+            "split_rel_err_vs_table": errors,
             "table_config": list(table),
             "table_us": sweep.get(tuple(table)),
             "int4_best_config": list(best),
