@@ -189,12 +189,9 @@ def kernel_timeline(fn, steps: int = 5, roles: tuple[str, ...] = ("qkv", "o", "g
     matmul kernels take `roles` in turn, per layer, the last one "lm_head"; the others are named
     by their phase (bench/kernel_phases.py)."""
     import json
-    import statistics
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
-
-    from bench.kernel_phases import kernel_phase
 
     fn()
     torch.cuda.synchronize()
@@ -206,11 +203,21 @@ def kernel_timeline(fn, steps: int = 5, roles: tuple[str, ...] = ("qkv", "o", "g
         prof.export_chrome_trace(f.name)
         with open(f.name) as g:
             trace = json.load(g)
-    kernels = sorted(
+    kernels = [
         (e["ts"], e["dur"], e["name"])
         for e in trace["traceEvents"]
         if e.get("cat") == "kernel" and "dur" in e
-    )
+    ]
+    return timeline_by_role(kernels, steps, roles)
+
+
+def timeline_by_role(kernels: list, steps: int, roles: tuple[str, ...]) -> dict:
+    """`kernel_timeline`'s sums from (start us, duration us, name) of `steps` equal steps."""
+    import statistics
+
+    from bench.kernel_phases import kernel_phase
+
+    kernels = sorted(kernels)
     per_step = len(kernels) // steps
     if per_step * steps != len(kernels) or per_step == 0:
         return {"error": f"{len(kernels)} kernels in {steps} steps"}
@@ -225,10 +232,9 @@ def kernel_timeline(fn, steps: int = 5, roles: tuple[str, ...] = ("qkv", "o", "g
         sums: dict[str, list[float]] = {}
         prev_end = ks[0][0]
         for i, (ts, dur, name) in enumerate(ks):
-            role = labels.get(i, kernel_phase(name))
-            row = sums.setdefault(role, [0.0, 0.0, 0.0, 0])
+            row = sums.setdefault(labels.get(i, kernel_phase(name)), [0.0, 0.0, 0.0, 0])
             row[0] += dur
-            row[1] += ts + dur - prev_end
+            row[1] += max(ts + dur, prev_end) - prev_end
             row[2] += ts - prev_end
             row[3] += 1
             prev_end = max(prev_end, ts + dur)
