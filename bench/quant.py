@@ -293,6 +293,25 @@ def _copies(nbytes: int, total: float = 256e6) -> int:
     return max(2, int(total // nbytes))
 
 
+def _int4_copies(n: int, k: int) -> tuple[list, list]:
+    """Distinct random bf16 weights [n, k] (enough that their int4 packing exceeds L2) and each
+    one's RTN int4 packing: (qweight, the GEMV's scales, group size, scales, zeros)."""
+    from radix_runtime.worker.kernels.int4_gemv import (
+        int4_gemv_scales,
+        interleave_quads,
+        pack_int4_rows,
+    )
+    from radix_runtime.worker.quant import rtn_int4_parts
+
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+           for _ in range(_copies(n * k // 2))]  # fmt: skip
+    packed = []
+    for w in w16:
+        q, z, s, g = rtn_int4_parts(w)
+        packed.append((interleave_quads(pack_int4_rows(q)), int4_gemv_scales(s, z), g, s, z))
+    return w16, packed
+
+
 def gemv_fp8_sweep() -> dict:
     """The FP8 GEMV's (BLOCK_N, BLOCK_K, warps) on the one-token layer's four cases, against the
     bf16 GEMV on the same case: us per product and weight TB/s, each variant over distinct
@@ -353,23 +372,14 @@ def gemv_int4_sweep(top: int = 4) -> dict:
         int4_gemm,
         int4_gemv,
         int4_gemv_rows,
-        int4_gemv_scales,
-        interleave_quads,
-        pack_int4_rows,
     )
-    from radix_runtime.worker.quant import rtn_int4_parts
 
     out = {}
     order = sorted(ROW_CASES, key=lambda c: c[0] != "gate_up")  # gate_up first: the full grid
     configs = INT4_CONFIGS
     for name, n, k, prologue, add in order:
         x, kw = _row_inputs(n, k, prologue, add)
-        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-               for _ in range(_copies(n * k // 2))]  # fmt: skip
-        packed = []
-        for w in w16:
-            q, z, s, g = rtn_int4_parts(w)
-            packed.append((interleave_quads(pack_int4_rows(q)), int4_gemv_scales(s, z), g, s, z))
+        w16, packed = _int4_copies(n, k)
         bf16_us = graph_us(
             [lambda w=w, x=x, kw=kw: gemv.gemv(x, w, **kw) for w in w16[: _copies(2 * n * k)]]
         )
@@ -432,23 +442,15 @@ def gemv_int4_split_sweep() -> dict:
         INT4_GEMV_CONFIGS,
         INT4_GEMV_DEFAULT_CONFIG,
         int4_gemv,
-        int4_gemv_scales,
-        interleave_quads,
-        pack_int4_rows,
     )
-    from radix_runtime.worker.quant import rtn_int4_parts
 
     out = {}
     for name, n, k, prologue, add in ROW_CASES:
         if n >= 16384:
             continue
         x, kw = _row_inputs(n, k, prologue, add)
-        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-               for _ in range(_copies(n * k // 2))]  # fmt: skip
-        packed = []
-        for w in w16:
-            q, z, s, g = rtn_int4_parts(w)
-            packed.append((interleave_quads(pack_int4_rows(q)), int4_gemv_scales(s, z), g))
+        w16, packed = _int4_copies(n, k)
+        packed = [p[:3] for p in packed]
         bf16_us = graph_us(
             [lambda w=w, x=x, kw=kw: gemv.gemv(x, w, **kw) for w in w16[: _copies(2 * n * k)]]
         )

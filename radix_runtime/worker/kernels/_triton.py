@@ -85,6 +85,24 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def gemv_input(x_row, norm_ptr, col, ok, K, PROLOGUE: tl.constexpr):
+        """A GEMV's fused input at columns `col` (float32) and x's square there (an RMSNorm's sum
+        of squares): PROLOGUE 0 x, 1 x * norm (the norm's 1/rms scales the GEMV's result at the
+        end), 2 silu(x[:K]) * x[K:], 3 gelu_tanh(x[:K]) * x[K:] (as g * sigmoid(2 y))."""
+        if PROLOGUE >= 2:
+            g = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(x_row + K + col, mask=ok, other=0.0).to(tl.float32)
+            if PROLOGUE == 2:
+                v = g / (1.0 + tl.exp(-g)) * up
+            else:
+                v = g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g))) * up
+            return v, v
+        v = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            return v * tl.load(norm_ptr + col, mask=ok, other=0.0).to(tl.float32), v * v
+        return v, v
+
+    @triton.jit
     def split_k_gather(part, p_off, p_ok, part_ptr, part_slab, aux, a_off, aux_ptr, aux_slab,
                        cnt_ptr, tile, split, SPLIT: tl.constexpr, AUX: tl.constexpr):  # fmt: skip
         """The end of a split-K program (one of SPLIT over the input dim of one output tile):
@@ -112,7 +130,7 @@ if HAVE_TRITON:
         return last, total, total_aux
 
 else:
-    pdl_wait = split_k_gather = None
+    pdl_wait = split_k_gather = gemv_input = None
 
 _COUNTERS: dict = {}
 
@@ -130,5 +148,5 @@ def split_counters(device, tiles: int):
     return cnt
 
 
-__all__ = ["HAVE_PDL", "HAVE_TRITON", "pdl_launch", "pdl_supported", "pdl_wait", "split_counters",
-           "split_k_gather", "tl", "triton"]  # fmt: skip
+__all__ = ["HAVE_PDL", "HAVE_TRITON", "gemv_input", "pdl_launch", "pdl_supported", "pdl_wait",
+           "split_counters", "split_k_gather", "tl", "triton"]  # fmt: skip

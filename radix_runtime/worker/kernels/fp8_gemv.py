@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from radix_runtime.worker.kernels._triton import (
+    gemv_input,
     pdl_launch,
     split_counters,
     split_k_gather,
@@ -52,34 +53,17 @@ FP8_MMA_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int, int, int]
 
 
 @triton.jit
-def _input_block(x_row, norm_ptr, col, ok, K, PROLOGUE: tl.constexpr):
-    """f(x) at columns `col` (float32) and x's square there (the RMSNorm's sum of squares)."""
-    if PROLOGUE >= 2:  # gated: act(x[:K]) * x[K:] (SiLU, or GELU-tanh as g * sigmoid(2 y))
-        g = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(x_row + K + col, mask=ok, other=0.0).to(tl.float32)
-        if PROLOGUE == 2:
-            v = g / (1.0 + tl.exp(-g)) * up
-        else:
-            v = g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g))) * up
-        return v, v
-    v = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
-    if PROLOGUE == 1:
-        return v * tl.load(norm_ptr + col, mask=ok, other=0.0).to(tl.float32), v * v
-    return v, v
-
-
-@triton.jit
 def _mma_step(acc, w, x_ptr, x_rows, norm_ptr, col, k_ok, m_ok, x_scale, K,
               PROLOGUE: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_K: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
     """acc += the weight block `w` times the input block at columns `col`, quantized to e4m3."""
     if ONE_ROW:
-        v, _ = _input_block(x_ptr, norm_ptr, col, k_ok, K, PROLOGUE)
+        v, _ = gemv_input(x_ptr, norm_ptr, col, k_ok, K, PROLOGUE)
         q = tl.clamp(v / x_scale, -448.0, 448.0).to(w.dtype)
         xq = tl.broadcast_to(q[None, :], (BLOCK_M, BLOCK_K))
     else:
         ok = m_ok[:, None] & k_ok[None, :]
-        v, _ = _input_block(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
+        v, _ = gemv_input(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
         xq = tl.clamp(v / x_scale[:, None], -448.0, 448.0).to(w.dtype)
     if SWAP:  # (one return: Triton types every return of a function alike)
         acc = tl.dot(w, tl.trans(xq), acc)
@@ -143,7 +127,7 @@ def _fp8_mma_gemv_kernel(
         sq_v = tl.zeros((BLOCK_X,), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_X):
             col = k0 + rx
-            v, s = _input_block(x_ptr, norm_ptr, col, col < k_hi, K, PROLOGUE)
+            v, s = gemv_input(x_ptr, norm_ptr, col, col < k_hi, K, PROLOGUE)
             amax_v = tl.maximum(amax_v, tl.abs(v))
             sq_v += s
         amax = tl.max(amax_v, axis=0)
@@ -154,7 +138,7 @@ def _fp8_mma_gemv_kernel(
         for k0 in range(k_lo, k_hi, BLOCK_X):
             col = k0 + rx
             ok = m_ok[:, None] & (col < k_hi)[None, :]
-            v, s = _input_block(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
+            v, s = gemv_input(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
             amax_t = tl.maximum(amax_t, tl.abs(v))
             sq_t += s
         amax = tl.max(amax_t, axis=1)  # [BLOCK_M]

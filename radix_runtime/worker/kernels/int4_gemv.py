@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from radix_runtime.worker.kernels._triton import (
+    gemv_input,
     pdl_launch,
     pdl_wait,
     split_counters,
@@ -78,20 +79,6 @@ def _nibble_floats(words, P: tl.constexpr, ASM: tl.constexpr):
         lo = (t & 0x00078000) | 0x41800000
         hi = (t & 0x00780000) | 0x3F800000
     return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _gemv_input(x_row, norm_ptr, col, ok, K, PROLOGUE: tl.constexpr):
-    """The GEMV's input at columns `col`: x, x * norm (the rmsnorm's 1/rms comes at the end), or
-    silu(x[:K]) * x[K:]; and x's square (the norm's sum of squares)."""
-    if PROLOGUE == 2:
-        g = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
-        v = g / (1.0 + tl.exp(-g)) * tl.load(x_row + K + col, mask=ok, other=0.0).to(tl.float32)
-        return v, v
-    v = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
-    if PROLOGUE == 1:
-        return v * tl.load(norm_ptr + col, mask=ok, other=0.0).to(tl.float32), v * v
-    return v, v
 
 
 @triton.jit
@@ -178,14 +165,14 @@ def _int4_gemv_kernel(
         else:
             words, a, c = _weight_block(w_base, ac_base, kw0, kw_hi, q_ok, WG, BLOCK_KW, EVEN)
         col = w * 8
-        x0, s0 = _gemv_input(x_row, norm_ptr, col, w_ok, K, PROLOGUE)
-        x1, s1 = _gemv_input(x_row, norm_ptr, col + 1, w_ok, K, PROLOGUE)
-        x2, s2 = _gemv_input(x_row, norm_ptr, col + 2, w_ok, K, PROLOGUE)
-        x3, s3 = _gemv_input(x_row, norm_ptr, col + 3, w_ok, K, PROLOGUE)
-        x4, s4 = _gemv_input(x_row, norm_ptr, col + 4, w_ok, K, PROLOGUE)
-        x5, s5 = _gemv_input(x_row, norm_ptr, col + 5, w_ok, K, PROLOGUE)
-        x6, s6 = _gemv_input(x_row, norm_ptr, col + 6, w_ok, K, PROLOGUE)
-        x7, s7 = _gemv_input(x_row, norm_ptr, col + 7, w_ok, K, PROLOGUE)
+        x0, s0 = gemv_input(x_row, norm_ptr, col, w_ok, K, PROLOGUE)
+        x1, s1 = gemv_input(x_row, norm_ptr, col + 1, w_ok, K, PROLOGUE)
+        x2, s2 = gemv_input(x_row, norm_ptr, col + 2, w_ok, K, PROLOGUE)
+        x3, s3 = gemv_input(x_row, norm_ptr, col + 3, w_ok, K, PROLOGUE)
+        x4, s4 = gemv_input(x_row, norm_ptr, col + 4, w_ok, K, PROLOGUE)
+        x5, s5 = gemv_input(x_row, norm_ptr, col + 5, w_ok, K, PROLOGUE)
+        x6, s6 = gemv_input(x_row, norm_ptr, col + 6, w_ok, K, PROLOGUE)
+        x7, s7 = gemv_input(x_row, norm_ptr, col + 7, w_ok, K, PROLOGUE)
         if PROLOGUE == 1:
             sq += ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
         xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # sum x
