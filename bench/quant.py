@@ -6,12 +6,16 @@ every one-token product (`KernelConfig.fp8_mma_max_rows` 0); `fp8_mma` = the def
 W8A8 tensor-core GEMV on products of >= `fp8_mma_min_n` rows), `fp8_mma_all` on every product;
 `+head` = with `--quantize-lm-head` (`fp8+head`: the tensor-core GEMV on the head only); `int4` =
 `--quantization int4`, packed W4A16 with the Triton int4 GEMV for decode; `fp8_kv` = bf16
-weights with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
+weights with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both; `fp8_nopdl` / `fp8_mma_nopdl`: `fp8`
+/ `fp8_mma` without dependent launches, decode only):
 - decode at batch 1 over a 1,024-token context, the worker's overlapped schedule with its CUDA
   graph (`decode_bs1_ms`, tok/s) and the graph replay alone; the weight bytes each step reads over
   that time as a fraction of the read-bandwidth ceiling (`read_TBps`, bench/gpu_worker.py's
   streaming GEMV on the LM head's shape, measured in the same run): each variant's own roofline,
   since its weights have their own size;
+- with `--timeline`, the graphed step by kernel role (`kernel_timeline`: each projection's and
+  phase's GPU time per step, what it adds to the step and how early it starts, from a
+  torch.profiler trace of the graph replays);
 - prefill of 8,192 tokens in one chunk (wall ms);
 - KV bytes per token (the pool's capacity in a fixed memory budget is inversely proportional);
 - the FP8 GEMV's (BLOCK_N, BLOCK_K, warps) and the int4 GEMV's (BLOCK_Q, BLOCK_KW, warps) on the
@@ -33,6 +37,8 @@ not a goal).
         --out docs/results/h200_quant_kernels.json             # the weights (run_h200.sh int4)
     python bench/quant.py --variants bf16,fp8,fp8+head,fp8_mma,fp8_mma+head,int4,int4+head \
         --sweeps fp8_mma --out docs/results/h200_quant_fp8_mma.json   # (run_h200.sh fp8_mma)
+    python bench/quant.py --no-sweep --timeline --out docs/results/h200_quant_split.json \
+        --variants bf16,fp8_mma,fp8_mma_all+head,int4,fp8,fp8_mma_all,int4+head,fp8_nopdl,fp8_mma_nopdl
 """
 
 from __future__ import annotations
@@ -62,11 +68,8 @@ VARIANTS = {
     "fp8_mma": {"quantization": "fp8"},
     "fp8_mma_all": {"quantization": "fp8"},
     "fp8_mma_all+head": {"quantization": "fp8", "quantize_lm_head": True},
-    "fp8_mma_wide": {"quantization": "fp8"},
-    "fp8_mma_wide+head": {"quantization": "fp8", "quantize_lm_head": True},
     "fp8_nopdl": {"quantization": "fp8"},
-    "fp8_mma_wide_nopdl": {"quantization": "fp8"},
-    "int4_nosplit": {"quantization": "int4"},
+    "fp8_mma_nopdl": {"quantization": "fp8"},
     "fp8+head": {"quantization": "fp8", "quantize_lm_head": True},
     "fp8_mma+head": {"quantization": "fp8", "quantize_lm_head": True},
     "int4+head": {"quantization": "int4", "quantize_lm_head": True},
@@ -80,32 +83,12 @@ VARIANT_KERNELS = {
     "fp8_mma": {},  # the default: the tensor-core GEMV on wide FP8 products (fp8_mma_min_n)
     "fp8_mma_all": {"fp8_mma_min_n": 0},  # on every FP8 projection
     "fp8_mma_all+head": {"fp8_mma_min_n": 0},
-    "fp8_mma_wide": {"fp8_mma_min_n": 16384},  # on gate/up (and a head) only
-    "fp8_mma_wide+head": {"fp8_mma_min_n": 16384},
     "fp8+head": {"fp8_mma_min_n": 65536},  # on the FP8 LM head only
+    # without dependent launches (what they hide of each GEMV; decode only)
     "fp8_nopdl": {"fp8_mma_max_rows": 0, "pdl": False},
-    "fp8_mma_wide_nopdl": {"fp8_mma_min_n": 16384, "pdl": False},
+    "fp8_mma_nopdl": {"pdl": False},
 }
-
-
-# diagnostic variants: decode only (no prefill); `_nosplit`: the GEMV tables without split-K
-DECODE_ONLY = ("fp8_nopdl", "fp8_mma_wide_nopdl", "int4_nosplit")
-
-
-_CODE_TABLES: dict = {}  # the GEMV tables as the code has them, before this run's sweeps
-
-
-def _without_split(table: dict, split_at: int, code: dict) -> dict:
-    """A GEMV table with split-K taken out: a config with a split (element `split_at`: the int4
-    GEMV's 4, the FP8 tensor-core GEMV's 5) becomes the code table's config for its key when
-    that has none, else the config without its split."""
-    out = {}
-    for key, cfg in table.items():
-        if len(cfg) > split_at and cfg[split_at] > 1:
-            alt = code.get(key)
-            cfg = alt if alt is not None and len(alt) <= split_at else cfg[:split_at]
-        out[key] = tuple(cfg)
-    return out
+DECODE_ONLY = ("fp8_nopdl", "fp8_mma_nopdl")  # diagnostic variants: no prefill
 
 
 class QuantBench(Bench):
@@ -117,21 +100,6 @@ class QuantBench(Bench):
 
 
 def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
-    from radix_runtime.worker.kernels import fp8_gemv, int4_gemv
-
-    tables = dict(fp8_gemv.FP8_MMA_CONFIGS), dict(int4_gemv.INT4_GEMV_CONFIGS)
-    if name.endswith("_nosplit"):
-        code = _CODE_TABLES or {"fp8_mma": tables[0], "int4": tables[1]}
-        fp8_gemv.FP8_MMA_CONFIGS.update(_without_split(tables[0], 5, code["fp8_mma"]))
-        int4_gemv.INT4_GEMV_CONFIGS.update(_without_split(tables[1], 4, code["int4"]))
-    try:
-        return _measure(name, flags, args, read_tbps)
-    finally:
-        fp8_gemv.FP8_MMA_CONFIGS.update(tables[0])
-        int4_gemv.INT4_GEMV_CONFIGS.update(tables[1])
-
-
-def _measure(name: str, flags: dict, args, read_tbps: float) -> dict:
     from radix_runtime.worker.kernels import KernelConfig
 
     t0 = time.perf_counter()
@@ -270,10 +238,6 @@ INT4_CONFIGS += [(2, 128, 4, 1), (4, 128, 4, 1), (2, 256, 8, 1), (4, 256, 8, 1)]
 INT4_NARROW_CONFIGS = [(2, 256, 8), (4, 256, 8), (2, 512, 8), (4, 512, 8), (4, 512, 16),
                        (1, 256, 8), (2, 256, 4), (4, 256, 4), (2, 256, 8, 1), (4, 256, 8, 1),
                        (2, 128, 4, 1)]  # fmt: skip
-# split-K on the narrow cases (BLOCK_Q, BLOCK_KW, warps, prefetch, split): 2 to 8 programs per
-# tile of rows, each over its share of the input (`--sweeps int4_split`, beside the table's)
-INT4_SPLIT_CONFIGS = [(4, 256, 8, 0, 2), (4, 128, 8, 0, 4), (4, 128, 4, 0, 4), (4, 256, 8, 1, 2),
-                      (4, 64, 4, 0, 8)]  # fmt: skip
 
 
 def _row_inputs(n: int, k: int, prologue: int, add: bool) -> tuple[torch.Tensor, dict]:
@@ -291,25 +255,6 @@ def _row_inputs(n: int, k: int, prologue: int, add: bool) -> tuple[torch.Tensor,
 
 def _copies(nbytes: int, total: float = 256e6) -> int:
     return max(2, int(total // nbytes))
-
-
-def _int4_copies(n: int, k: int) -> tuple[list, list]:
-    """Distinct random bf16 weights [n, k] (enough that their int4 packing exceeds L2) and each
-    one's RTN int4 packing: (qweight, the GEMV's scales, group size, scales, zeros)."""
-    from radix_runtime.worker.kernels.int4_gemv import (
-        int4_gemv_scales,
-        interleave_quads,
-        pack_int4_rows,
-    )
-    from radix_runtime.worker.quant import rtn_int4_parts
-
-    w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-           for _ in range(_copies(n * k // 2))]  # fmt: skip
-    packed = []
-    for w in w16:
-        q, z, s, g = rtn_int4_parts(w)
-        packed.append((interleave_quads(pack_int4_rows(q)), int4_gemv_scales(s, z), g, s, z))
-    return w16, packed
 
 
 def gemv_fp8_sweep() -> dict:
@@ -372,14 +317,23 @@ def gemv_int4_sweep(top: int = 4) -> dict:
         int4_gemm,
         int4_gemv,
         int4_gemv_rows,
+        int4_gemv_scales,
+        interleave_quads,
+        pack_int4_rows,
     )
+    from radix_runtime.worker.quant import rtn_int4_parts
 
     out = {}
     order = sorted(ROW_CASES, key=lambda c: c[0] != "gate_up")  # gate_up first: the full grid
     configs = INT4_CONFIGS
     for name, n, k, prologue, add in order:
         x, kw = _row_inputs(n, k, prologue, add)
-        w16, packed = _int4_copies(n, k)
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(_copies(n * k // 2))]  # fmt: skip
+        packed = []
+        for w in w16:
+            q, z, s, g = rtn_int4_parts(w)
+            packed.append((interleave_quads(pack_int4_rows(q)), int4_gemv_scales(s, z), g, s, z))
         bf16_us = graph_us(
             [lambda w=w, x=x, kw=kw: gemv.gemv(x, w, **kw) for w in w16[: _copies(2 * n * k)]]
         )
@@ -431,85 +385,15 @@ def gemv_int4_sweep(top: int = 4) -> dict:
     return out
 
 
-def gemv_int4_split_sweep() -> dict:
-    """The int4 GEMV on the narrow cases of the one-token layer (qkv, o, down: 4,096-6,144 rows):
-    kernels/int4_gemv.py's table config against INT4_SPLIT_CONFIGS (split-K) and the bf16 GEMV,
-    us per product over distinct weights beyond L2 in one CUDA graph (as `gemv_int4_sweep`,
-    whose keys the cases share)."""
-    from bench.gemv_sweep import graph_us
-    from radix_runtime.worker.kernels import gemv
-    from radix_runtime.worker.kernels.int4_gemv import (
-        INT4_GEMV_CONFIGS,
-        INT4_GEMV_DEFAULT_CONFIG,
-        int4_gemv,
-    )
-
-    out = {}
-    for name, n, k, prologue, add in ROW_CASES:
-        if n >= 16384:
-            continue
-        x, kw = _row_inputs(n, k, prologue, add)
-        w16, packed = _int4_copies(n, k)
-        packed = [p[:3] for p in packed]
-        bf16_us = graph_us(
-            [lambda w=w, x=x, kw=kw: gemv.gemv(x, w, **kw) for w in w16[: _copies(2 * n * k)]]
-        )
-        del w16
-        int4_bytes = sum(t.numel() * t.element_size() for t in packed[0][:2])
-        table = INT4_GEMV_CONFIGS.get((n, k, prologue, add), INT4_GEMV_DEFAULT_CONFIG)
-        sweep = {}
-        for cfg in [tuple(table), *INT4_SPLIT_CONFIGS]:
-            try:
-                sweep[cfg] = graph_us(
-                    [lambda p=p, c=cfg, x=x, kw=kw: int4_gemv(x, *p, c, **kw) for p in packed]
-                )
-            except Exception as e:  # recorded, not fatal
-                print("gemv_int4_split", name, cfg, "failed:", str(e)[:200], flush=True)
-        best = min(sweep, key=sweep.get)
-        errors = {}  # each split config's output against the table config's (no split)
-        if tuple(table) in sweep:
-            kw1 = dict(kw)
-            if add:
-                kw1["add_to"] = kw["add_to"].clone()
-            want = int4_gemv(x, *packed[0], tuple(table), **kw1).float()
-            for cfg in sweep:
-                if cfg != tuple(table):
-                    if add:
-                        kw1["add_to"] = kw["add_to"].clone()
-                    got = int4_gemv(x, *packed[0], cfg, **kw1).float()
-                    errors[str(list(cfg))] = ((got - want).norm() / want.norm()).item()
-        case = {
-            "bf16_us": bf16_us,
-            "bf16_TBps": 2 * n * k / bf16_us / 1e6,
-            "int4_bytes": int4_bytes,
-            "split_rel_err_vs_table": errors,
-            "table_config": list(table),
-            "table_us": sweep.get(tuple(table)),
-            "int4_best_config": list(best),
-            "int4_best_us": sweep[best],
-            "int4_best_TBps": int4_bytes / sweep[best] / 1e6,
-            "int4_best_vs_bf16": bf16_us / sweep[best],
-            "int4_us": {str(list(c)): t for c, t in sorted(sweep.items(), key=lambda kv: kv[1])},
-        }
-        out[f"{name} {n}x{k}"] = case
-        del packed
-        torch.cuda.empty_cache()
-        print("gemv_int4_split", name, {k2: v for k2, v in case.items() if k2 != "int4_us"},
-              flush=True)  # fmt: skip
-    return out
-
-
-# (BLOCK_N, BLOCK_K, warps, stages, swap[, split]) of kernels/fp8_gemv.py's tensor-core GEMV: on
-# the wide products (>= 16,384 rows) tiles of whole rows, on the narrow ones (4,096 and 6,144
-# rows: 64-96 tiles of 64 rows for 132 SMs) also split-K, 2 to 8 programs per tile
-FP8_MMA_SWEEP = [(64, 512, 4, 3, 1), (128, 256, 4, 3, 1)]
-FP8_MMA_NARROW_SWEEP = [(64, 512, 4, 3, 1), (64, 256, 4, 4, 1, 2), (64, 256, 4, 4, 1, 4),
-                        (64, 512, 4, 3, 1, 4), (128, 256, 4, 3, 1, 4), (64, 256, 4, 4, 1, 8)]  # fmt: skip
+# (BLOCK_N, BLOCK_K, warps, stages, swap) of kernels/fp8_gemv.py's tensor-core GEMV
+FP8_MMA_SWEEP = [(32, 512, 4, 3, 0), (64, 256, 4, 4, 0), (64, 256, 4, 4, 1), (64, 512, 4, 3, 1),
+                 (64, 1024, 4, 2, 1), (128, 256, 4, 3, 1), (128, 256, 8, 4, 1),
+                 (128, 512, 8, 3, 1)]  # fmt: skip
 # the LM head (a plain product): what an FP8 head would run
 MMA_CASES = (*ROW_CASES, ("lm_head", 128256, 4096, 0, False))
 
 
-def gemv_fp8_mma_sweep(narrow_only: bool = False) -> dict:
+def gemv_fp8_mma_sweep() -> dict:
     """The W8A8 tensor-core GEMV (kernels/fp8_gemv.py) on the one-token layer's four cases and
     the LM head's shape, over FP8_MMA_SWEEP, against the bf16 GEMV and the W8A16 FP8 GEMV
     (kernels/gemv.py with `w_scale`, its table's config) on the same case: us per product and
@@ -522,8 +406,6 @@ def gemv_fp8_mma_sweep(narrow_only: bool = False) -> dict:
 
     out = {}
     for name, n, k, prologue, add in MMA_CASES:
-        if narrow_only and n >= 16384:
-            continue
         x, kw = _row_inputs(n, k, prologue, add)
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(_copies(2 * n * k))]  # fmt: skip
@@ -539,7 +421,7 @@ def gemv_fp8_mma_sweep(narrow_only: bool = False) -> dict:
             [lambda w=w, x=x, kw=kw: gemv.gemv(x, w[0], w_scale=w[1], **kw) for w in ws]
         )
         sweep, errors = {}, {}
-        for cfg in FP8_MMA_SWEEP if n >= 16384 else FP8_MMA_NARROW_SWEEP:
+        for cfg in FP8_MMA_SWEEP:
             try:
                 sweep[cfg] = graph_us([
                     lambda w=w, c=cfg, x=x, kw=kw: fp8_gemv.fp8_mma_gemv(x, *w, config=c, **kw)
@@ -555,11 +437,7 @@ def gemv_fp8_mma_sweep(narrow_only: bool = False) -> dict:
             got = fp8_gemv.fp8_mma_gemv(x, *ws[0], config=best, **kw1)
             if add:
                 kw1["add_to"] = kw["add_to"].clone()
-            split = best[5] if len(best) > 5 else 1
-            k_split = fp8_gemv.split_columns(k, split, best[1])
-            want = fp8_gemv.fp8_mma_gemv_torch(
-                x, *ws[0], k_split=k_split if k_split < k else None, **kw1
-            )
+            want = fp8_gemv.fp8_mma_gemv_torch(x, *ws[0], **kw1)
             case.update(
                 mma_best_config=list(best),
                 mma_best_us=sweep[best],
@@ -669,8 +547,8 @@ def main() -> None:
     p.add_argument(
         "--sweeps",
         default="fp8,int4",
-        help="which sweeps run (fp8, int4, int4_split: split-K on the narrow int4 cases, fp8_mma: "
-        "the tensor-core FP8 GEMV, fp8_mma_narrow: on the narrow cases only; prefill_gemm: the FP8 prefill's GEMMs at 8K tokens)",
+        help="which sweeps run (fp8, int4, fp8_mma: the tensor-core FP8 GEMV; prefill_gemm: the "
+        "FP8 prefill's GEMMs at 8K tokens)",
     )
     p.add_argument(
         "--keep-configs",
@@ -697,27 +575,18 @@ def main() -> None:
         results["gemv_int4"] = gemv_int4_sweep()
         if args.out:
             write_json(args.out, results)
-    if "int4_split" in sweeps:
-        results.setdefault("gemv_int4", {}).update(gemv_int4_split_sweep())
-        if args.out:
-            write_json(args.out, results)
     if "fp8" in sweeps:
         results["gemv_fp8"] = gemv_fp8_sweep()
         if args.out:
             write_json(args.out, results)
-    if "fp8_mma" in sweeps or "fp8_mma_narrow" in sweeps:
-        results["gemv_fp8_mma"] = gemv_fp8_mma_sweep(narrow_only="fp8_mma" not in sweeps)
+    if "fp8_mma" in sweeps:
+        results["gemv_fp8_mma"] = gemv_fp8_mma_sweep()
         if args.out:
             write_json(args.out, results)
     if "prefill_gemm" in sweeps:
         results["prefill_gemm"] = prefill_gemm_probe(args.prefill_tokens)
         if args.out:
             write_json(args.out, results)
-    from radix_runtime.worker.kernels import fp8_gemv, int4_gemv
-
-    _CODE_TABLES.update(
-        fp8_mma=dict(fp8_gemv.FP8_MMA_CONFIGS), int4=dict(int4_gemv.INT4_GEMV_CONFIGS)
-    )
     if not args.keep_configs:  # the variants below run this run's best GEMV configs
         results["applied_configs"] = apply_best_configs(results)
     for name in filter(None, args.variants.split(",")):

@@ -16,12 +16,11 @@ from gpu_support import greedy_agrees, random_ids, rel_err  # noqa: E402
 from model_support import Driver, Seq  # noqa: E402
 
 from radix_runtime.config import ServerArgs  # noqa: E402
-from radix_runtime.worker.kernels import KernelConfig, _triton, fp8_gemv  # noqa: E402
+from radix_runtime.worker.kernels import KernelConfig  # noqa: E402
 from radix_runtime.worker.kernels.fp8_gemv import (  # noqa: E402
     FP8_MMA_CONFIGS,
     fp8_mma_gemv,
     fp8_mma_gemv_torch,
-    split_columns,
 )
 from radix_runtime.worker.model_runner import ModelRunner  # noqa: E402
 
@@ -30,8 +29,6 @@ FP8 = torch.float8_e4m3fn
 MARGIN = 0.25
 # the kernel's default tile, a wide non-swapped one and the weight-first (swapped) orientation
 CONFIGS = [None, (64, 512, 4, 3, 0), (64, 256, 4, 4, 1)]
-# split-K: 2, 4 and 8 programs per output tile (each quantizing its share of the input)
-SPLIT_CONFIGS = [(64, 256, 4, 4, 1, 2), (64, 512, 4, 3, 1, 4), (32, 256, 4, 3, 0, 8)]
 
 
 def _fp8_rows(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,33 +69,9 @@ def test_fp8_mma_gemv_against_reference(n, k, prologue, add, m):
         assert rel_err(fp8_mma_gemv(x, w, s), exact) < 5e-2
 
 
-@pytest.mark.parametrize(
-    "n,k,prologue,add",
-    [(6144, 4096, "norm", False), (4096, 4096, "plain", True), (4096, 14336, "silu", True),
-     (1000, 200, "norm", True)],
-)  # fmt: skip
-@pytest.mark.parametrize("m", [1, 3])
-def test_fp8_mma_gemv_split_k(n, k, prologue, add, m):
-    """Split-K against the reference that rounds each split's share of the input with its own
-    scale; the same bits on a second call (the splits' partials are added in split order,
-    whichever finished last) and the tile counters back at zero."""
-    w, s = _fp8_rows(n, k)
-    x, kw = _args(k, m, prologue)
-    res = torch.randn(m, n, device=DEV, dtype=torch.bfloat16) if add else None
-    for config in SPLIT_CONFIGS:
-        k_split = split_columns(k, config[5], config[1])
-        want = fp8_mma_gemv_torch(x, w, s, add_to=None if res is None else res.clone(),
-                                  k_split=k_split if k_split < k else None, **kw)  # fmt: skip
-        got = [fp8_mma_gemv(x, w, s, add_to=None if res is None else res.clone(), config=config,
-                            **kw) for _ in range(2)]  # fmt: skip
-        assert rel_err(got[0], want) < 1e-2, (config, rel_err(got[0], want))
-        assert torch.equal(got[0], got[1]), config
-        assert int(_triton._COUNTERS[DEV].abs().sum()) == 0
-
-
 def test_fp8_mma_gemv_tables_and_checks():
     for (n, k, _, _), config in FP8_MMA_CONFIGS.items():
-        assert len(config) in (5, 6) and n > 0 and k > 0
+        assert len(config) == 5 and n > 0 and k > 0
     w, s = _fp8_rows(64, 128)
     with pytest.raises(ValueError, match="input rows"):
         fp8_mma_gemv(torch.randn(17, 128, device=DEV, dtype=torch.bfloat16), w, s)
@@ -114,14 +87,11 @@ def _runner(head: bool = False, **kernels) -> ModelRunner:
     return ModelRunner(args, kernels=KernelConfig(**kernels))
 
 
-@pytest.mark.parametrize("head,split", [(False, 1), (True, 1), (False, 2)])
-def test_fp8_model_with_the_tensor_core_gemv(head, split, monkeypatch):
+@pytest.mark.parametrize("head", [False, True])
+def test_fp8_model_with_the_tensor_core_gemv(head):
     """The fused one-token path (norm / SiLU prologues, residual adds) and batch-4 decode through
     the tensor-core GEMV (CUDA graphs) against the same FP8 model without it; with `head` the
-    model under test also has an FP8 LM head (--quantize-lm-head, through the same GEMV); with
-    `split` every product runs split-K (in the graphs too: the counters reset in the kernel)."""
-    if split > 1:
-        monkeypatch.setattr(fp8_gemv, "FP8_MMA_DEFAULT_CONFIG", (64, 128, 4, 3, 1, split))
+    model under test also has an FP8 LM head (--quantize-lm-head, through the same GEMV)."""
     off, on = _runner(fp8_mma_max_rows=0), _runner(head, fp8_mma_min_n=0)
     assert (on.model.lm_head.weight.dtype == FP8) == head
     d = Driver([off, on])

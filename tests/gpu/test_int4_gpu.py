@@ -16,7 +16,7 @@ from gpu_support import greedy_agrees, random_ids, rel_err  # noqa: E402
 from model_support import Driver, Seq  # noqa: E402
 
 from radix_runtime.config import ServerArgs  # noqa: E402
-from radix_runtime.worker.kernels import KernelConfig, _triton  # noqa: E402
+from radix_runtime.worker.kernels import KernelConfig  # noqa: E402
 from radix_runtime.worker.kernels.int4_gemv import (  # noqa: E402
     int4_gemm,
     int4_gemv,
@@ -95,40 +95,6 @@ def test_int4_gemv_fused_prologues(n, k, group):
         assert got is out and rel_err(out, want) < 5e-3, config
 
 
-@pytest.mark.parametrize("n,k,group", SHAPES)
-@pytest.mark.parametrize("m", [1, 3])
-def test_int4_gemv_split_k(n, k, group, m):
-    """Split-K (2 to 8 programs per tile of rows along the input) with every prologue and the
-    residual add, against the same float32 reference; the same bits on a second call (the
-    partials are added in split order, whichever split finished last) and the tile counters
-    back at zero."""
-    qw, s, z = _packed(n, k, group)
-    ac = int4_gemv_scales(s, z)
-    x = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16)
-    nw = torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5
-    res = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
-    xf = x.float()[:, :k]
-    cases = (
-        ({}, x[:, :k], xf, None),
-        ({"norm_weight": nw, "eps": 1e-5}, x[:, :k],
-         xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float(), None),
-        ({"silu": True}, x, F.silu(xf) * x.float()[:, k:], res),
-    )  # fmt: skip
-    for kw, xin, xref, add in cases:
-        want = int4_gemv_torch(xref, qw, s, z, group).float()
-        if add is not None:
-            want = want + add.float()
-        for config in ((2, 64, 4, 0, 2), (4, 128, 8, 1, 4), (1, 32, 4, 0, 8)):
-            got = [
-                int4_gemv(xin.contiguous(), qw, ac, group, config,
-                          add_to=None if add is None else add.clone(), **kw)
-                for _ in range(2)
-            ]  # fmt: skip
-            assert rel_err(got[0], want) < 5e-3, (config, kw.keys())
-            assert torch.equal(got[0], got[1]), config
-            assert int(_triton._COUNTERS[DEV].abs().sum()) == 0
-
-
 @pytest.mark.parametrize("n,k,group", [(6144, 4096, 128), (4096, 14336, 128), (100, 96, 64)])
 @pytest.mark.parametrize("m", [5, 16, 33, 200, 300])
 def test_int4_gemm_against_reference(n, k, group, m):
@@ -159,14 +125,13 @@ def _agree(outs, tol: float, what: str) -> None:
         assert greedy_agrees(g, r, MARGIN), f"{what}[{i}]: argmax differs on a decisive row"
 
 
-@pytest.mark.parametrize("gemv_config", [None, (2, 16, 4, 0, 2)])
-def test_packed_int4_through_the_runner(gemv_config):
+def test_packed_int4_through_the_runner():
     """--quantization int4 packed against the same rounding dequantized at load: a prefill of
     ~200 rows (the GEMM), one of 300 (dequantized per call), decode of 8 rows (GEMM), 4 (GEMV)
     and 1 (the one-token path: the int4 GEMV with the norm / SiLU prologues and residual adds),
-    the decode steps as CUDA graphs; with `gemv_config` every GEMV split-K in two."""
+    the decode steps as CUDA graphs."""
     plain = _runner(int4_gemv=False)
-    packed = _runner(int4_gemv_config=gemv_config)
+    packed = _runner()
     layer = packed.model.model.layers[0].mlp.down_proj
     assert isinstance(layer, Int4Linear) and packed.quantization == "int4"
     assert not isinstance(plain.model.model.layers[0].mlp.down_proj, Int4Linear)

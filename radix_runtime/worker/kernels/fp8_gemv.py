@@ -15,12 +15,8 @@ in flight through shared memory), which is what keeps the weight stream going.
 The input's per-row scale needs the whole row before the first product, so every program first
 walks its input row once (max |f(x)|, and the RMSNorm's sum of squares), then quantizes each
 block again as it multiplies it: f(x) is x, x * norm (the norm's 1/rms scales the result at
-the end, as in gemv.py) or silu(x[:K]) * x[K:]. Each program owns BLOCK_N whole output rows,
-or with split-K (a config's sixth element: the narrow products, whose 64-row tiles would start
-too few programs for 132 SMs) one of SPLIT shares of their input columns: it walks and
-quantizes only its share (its own FP8 scale per input row), stores its scaled partial products,
-and the tile's last split to finish (a counter per tile, `_triton.split_k_gather`) adds the
-partials in split order. No atomics in the sums: the same bits every run.
+the end, as in gemv.py) or silu(x[:K]) * x[K:]. Each program owns BLOCK_N whole output rows (no
+split-K, no atomics: the same bits every run).
 """
 
 from __future__ import annotations
@@ -28,14 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radix_runtime.worker.kernels._triton import (
-    gemv_input,
-    pdl_launch,
-    split_counters,
-    split_k_gather,
-    tl,
-    triton,
-)
+from radix_runtime.worker.kernels._triton import pdl_launch, tl, triton
 from radix_runtime.worker.kernels.activation import gelu_tanh_and_mul_torch, silu_and_mul_torch
 from radix_runtime.worker.kernels.fp8_quant import quantize_rows_fp8_torch
 
@@ -53,17 +42,34 @@ FP8_MMA_CONFIGS: dict[tuple[int, int, int, bool], tuple[int, int, int, int, int]
 
 
 @triton.jit
+def _input_block(x_row, norm_ptr, col, ok, K, PROLOGUE: tl.constexpr):
+    """f(x) at columns `col` (float32) and x's square there (the RMSNorm's sum of squares)."""
+    if PROLOGUE >= 2:  # gated: act(x[:K]) * x[K:] (SiLU, or GELU-tanh as g * sigmoid(2 y))
+        g = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_row + K + col, mask=ok, other=0.0).to(tl.float32)
+        if PROLOGUE == 2:
+            v = g / (1.0 + tl.exp(-g)) * up
+        else:
+            v = g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g))) * up
+        return v, v
+    v = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
+        return v * tl.load(norm_ptr + col, mask=ok, other=0.0).to(tl.float32), v * v
+    return v, v
+
+
+@triton.jit
 def _mma_step(acc, w, x_ptr, x_rows, norm_ptr, col, k_ok, m_ok, x_scale, K,
               PROLOGUE: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_K: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
     """acc += the weight block `w` times the input block at columns `col`, quantized to e4m3."""
     if ONE_ROW:
-        v, _ = gemv_input(x_ptr, norm_ptr, col, k_ok, K, PROLOGUE)
+        v, _ = _input_block(x_ptr, norm_ptr, col, k_ok, K, PROLOGUE)
         q = tl.clamp(v / x_scale, -448.0, 448.0).to(w.dtype)
         xq = tl.broadcast_to(q[None, :], (BLOCK_M, BLOCK_K))
     else:
         ok = m_ok[:, None] & k_ok[None, :]
-        v, _ = gemv_input(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
+        v, _ = _input_block(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
         xq = tl.clamp(v / x_scale[:, None], -448.0, 448.0).to(w.dtype)
     if SWAP:  # (one return: Triton types every return of a function alike)
         acc = tl.dot(w, tl.trans(xq), acc)
@@ -79,13 +85,9 @@ def _fp8_mma_gemv_kernel(
     ws_ptr,
     y_ptr,
     norm_ptr,
-    part_ptr,  # SPLIT > 1: float32 [SPLIT, M, N], each split's scaled partial products
-    sq_ptr,  # SPLIT > 1: float32 [SPLIT, N tiles, BLOCK_M], each split's sums of squares
-    cnt_ptr,  # SPLIT > 1: int32 [N tiles], zero between calls: the splits of a tile done
     M,
     N,
     K,
-    k_split,  # SPLIT > 1: the input columns of one split (a multiple of BLOCK_K)
     x_stride,
     y_stride,
     eps,
@@ -97,27 +99,19 @@ def _fp8_mma_gemv_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_X: tl.constexpr,  # the first pass's step along the input (few steps: few round trips)
     SWAP: tl.constexpr,  # weights as the dot's first operand: [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]
-    SPLIT: tl.constexpr,  # programs per output tile, each over k_split input columns
     USE_PDL: tl.constexpr,  # launched dependently: the first weight block loads before the wait,
     # and the next kernel launches only once the weight stream is done (its programs, waiting
     # early, would hold the SM slots this kernel's later programs need)
 ):
-    pid_n = tl.program_id(0)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    if SPLIT == 1:
-        k_lo = 0
-        k_hi = K
-    else:  # this program's columns [k_lo, k_hi): its own FP8 scale per input row
-        k_lo = tl.program_id(1) * k_split
-        k_hi = tl.minimum(k_lo + k_split, K)
     rk0 = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    w_ok = n_ok[:, None] & (k_lo + rk0 < k_hi)[None, :]
+    w_ok = n_ok[:, None] & (rk0 < K)[None, :]
     if USE_PDL:  # weights are never written by a kernel: their loads need not wait
-        w0 = tl.load(w_rows + (k_lo + rk0)[None, :], mask=w_ok, other=0.0)
+        w0 = tl.load(w_rows + rk0[None, :], mask=w_ok, other=0.0)
         tl.extra.cuda.gdc_wait()  # (kernels/_triton.py's pdl_wait, without launching the next)
     # pass 1: each input row's max |f(x)| (its FP8 scale) and sum of squares
     rx = tl.arange(0, BLOCK_X)
@@ -125,9 +119,9 @@ def _fp8_mma_gemv_kernel(
     if ONE_ROW:
         amax_v = tl.zeros((BLOCK_X,), dtype=tl.float32)
         sq_v = tl.zeros((BLOCK_X,), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_X):
+        for k0 in range(0, K, BLOCK_X):
             col = k0 + rx
-            v, s = gemv_input(x_ptr, norm_ptr, col, col < k_hi, K, PROLOGUE)
+            v, s = _input_block(x_ptr, norm_ptr, col, col < K, K, PROLOGUE)
             amax_v = tl.maximum(amax_v, tl.abs(v))
             sq_v += s
         amax = tl.max(amax_v, axis=0)
@@ -135,32 +129,31 @@ def _fp8_mma_gemv_kernel(
     else:
         amax_t = tl.zeros((BLOCK_M, BLOCK_X), dtype=tl.float32)
         sq_t = tl.zeros((BLOCK_M, BLOCK_X), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_X):
+        for k0 in range(0, K, BLOCK_X):
             col = k0 + rx
-            ok = m_ok[:, None] & (col < k_hi)[None, :]
-            v, s = gemv_input(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
+            ok = m_ok[:, None] & (col < K)[None, :]
+            v, s = _input_block(x_rows, norm_ptr, col[None, :], ok, K, PROLOGUE)
             amax_t = tl.maximum(amax_t, tl.abs(v))
             sq_t += s
         amax = tl.max(amax_t, axis=1)  # [BLOCK_M]
         sq = tl.sum(sq_t, axis=1)
     x_scale = tl.maximum(amax / 448.0, 1e-12)
-    y_off = rm.to(tl.int64)[:, None] * y_stride + rn[None, :]
-    y_ok = m_ok[:, None] & n_ok[None, :]
-    if ADD and SPLIT == 1:  # fetched before the weight stream: its latency hides behind it
-        y0 = tl.load(y_ptr + y_off, mask=y_ok, other=0.0).to(tl.float32)
+    if ADD:  # fetched before the weight stream: its latency hides behind it
+        y_off = rm.to(tl.int64)[:, None] * y_stride + rn[None, :]
+        y0 = tl.load(y_ptr + y_off, mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # pass 2: the weight stream, each input block quantized again as it is multiplied
-    k_start = k_lo
+    k_start = 0
     if USE_PDL:
-        acc = _mma_step(acc, w0, x_ptr, x_rows, norm_ptr, k_lo + rk0, k_lo + rk0 < k_hi, m_ok,
-                        x_scale, K, PROLOGUE, ONE_ROW, BLOCK_M, BLOCK_K, SWAP)  # fmt: skip
-        k_start = k_lo + BLOCK_K
-    for k0 in range(k_start, k_hi, BLOCK_K):
+        acc = _mma_step(acc, w0, x_ptr, x_rows, norm_ptr, rk0, rk0 < K, m_ok, x_scale, K,
+                        PROLOGUE, ONE_ROW, BLOCK_M, BLOCK_K, SWAP)  # fmt: skip
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         col = k0 + rk0
-        k_ok = col < k_hi
+        k_ok = col < K
         w = tl.load(w_rows + col[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _mma_step(acc, w, x_ptr, x_rows, norm_ptr, col, k_ok, m_ok, x_scale, K,
                         PROLOGUE, ONE_ROW, BLOCK_M, BLOCK_K, SWAP)  # fmt: skip
@@ -168,35 +161,19 @@ def _fp8_mma_gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if SWAP:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    row_scale = x_scale
+    if PROLOGUE == 1:
+        row_scale = row_scale * tl.rsqrt(sq / K + eps)
     w_scale = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
-    if SPLIT == 1:
-        row_scale = x_scale
-        if PROLOGUE == 1:
-            row_scale = row_scale * tl.rsqrt(sq / K + eps)
-        if ONE_ROW:
-            y = acc * (row_scale * w_scale)[None, :]
-        else:
-            y = acc * row_scale[:, None] * w_scale[None, :]
-        if ADD:
-            y += y0
-        tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=y_ok)
-    else:  # each split's partial products, scaled; the tile's last split adds them up
-        if ONE_ROW:
-            part = acc * (x_scale * w_scale)[None, :]
-        else:
-            part = acc * x_scale[:, None] * w_scale[None, :]
-        sq_b = tl.zeros((BLOCK_M,), dtype=tl.float32) + sq
-        last, y, total_sq = split_k_gather(
-            part, rm.to(tl.int64)[:, None] * N + rn[None, :], y_ok, part_ptr, M * N, sq_b,
-            pid_n * BLOCK_M + rm, sq_ptr, tl.num_programs(0) * BLOCK_M, cnt_ptr, pid_n,
-            tl.program_id(1), SPLIT, PROLOGUE == 1,
-        )  # fmt: skip
-        if last:
-            if PROLOGUE == 1:
-                y = y * tl.rsqrt(total_sq / K + eps)[:, None]
-            if ADD:
-                y += tl.load(y_ptr + y_off, mask=y_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=y_ok)
+    if ONE_ROW:
+        y = acc * (row_scale * w_scale)[None, :]
+    else:
+        y = acc * row_scale[:, None] * w_scale[None, :]
+    if ADD:
+        y += y0
+    else:
+        y_off = rm.to(tl.int64)[:, None] * y_stride + rn[None, :]
+    tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def fp8_mma_gemv(
@@ -216,10 +193,9 @@ def fp8_mma_gemv(
     contiguous with `w_scale` float32 [N]; f(x) quantized to e4m3 per row (W8A8). f is x,
     rmsnorm(x) * norm_weight (`norm_weight`), silu(x[:, :K]) * x[:, K:] (`silu`, x [M, 2K]) or
     gelu_tanh(x[:, :K]) * x[:, K:] (`gelu`); with `add_to` ([M, N]) the product is added into it
-    in place (returned). `config` (BLOCK_N, BLOCK_K, num_warps, num_stages, swap[, split])
-    overrides FP8_MMA_CONFIGS / the default (swap 1: the weight tile is the dot's first operand,
-    BLOCK_N >= 64; split > 1: split-K, each share of `split_columns` input columns quantized with
-    its own scale). `pdl`: launch dependently."""
+    in place (returned). `config` (BLOCK_N, BLOCK_K, num_warps, num_stages, swap) overrides
+    FP8_MMA_CONFIGS / the default (swap 1: the weight tile is the dot's first operand, BLOCK_N
+    >= 64). `pdl`: launch dependently."""
     m = x.shape[0]
     n, k = weight.shape
     if not 1 <= m <= FP8_MMA_MAX_ROWS:
@@ -243,33 +219,17 @@ def fp8_mma_gemv(
         y = add_to
     key = (n, k, prologue, add_to is not None)
     m_block = 1 if m == 1 else 16  # the first pass holds BLOCK_X inputs of each of its rows
-    block_n, block_k, warps, stages, swap, *split = config or FP8_MMA_CONFIGS.get(
+    block_n, block_k, warps, stages, swap = config or FP8_MMA_CONFIGS.get(
         key, FP8_MMA_DEFAULT_CONFIG
     )
-    split = split[0] if split else 1
-    k_split = split_columns(k, split, block_k)
-    split = -(-k // k_split)  # (a K too short for every split: fewer)
-    tiles = triton.cdiv(n, block_n)
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        sq = torch.empty((split, tiles, 16), dtype=torch.float32, device=x.device)
-        cnt = split_counters(x.device, tiles)
-    else:
-        part = sq = cnt = y
-    _fp8_mma_gemv_kernel[(tiles, split)](
-        x, weight, w_scale, y, x if norm_weight is None else norm_weight, part, sq, cnt, m, n, k,
-        k_split, x.stride(0), y.stride(0), eps, PROLOGUE=prologue, ADD=add_to is not None,
-        ONE_ROW=m == 1, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_X=min(triton.next_power_of_2(k_split), 4096 // m_block), SWAP=bool(swap),
-        SPLIT=split, num_warps=warps, num_stages=stages, **pdl_launch(pdl),
+    _fp8_mma_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, w_scale, y, x if norm_weight is None else norm_weight, m, n, k, x.stride(0),
+        y.stride(0), eps, PROLOGUE=prologue, ADD=add_to is not None, ONE_ROW=m == 1, BLOCK_M=16,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_X=min(triton.next_power_of_2(k), 4096 // m_block),
+        SWAP=bool(swap), num_warps=warps, num_stages=stages,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return y
-
-
-def split_columns(k: int, split: int, block_k: int) -> int:
-    """The input columns of each of `split` programs over K (whole BLOCK_K steps): every split
-    but the last takes this many, and quantizes its share of the input with its own scale."""
-    return k if split <= 1 else triton.cdiv(triton.cdiv(k, split), block_k) * block_k
 
 
 def fp8_mma_gemv_torch(
@@ -282,12 +242,9 @@ def fp8_mma_gemv_torch(
     silu: bool = False,
     gelu: bool = False,
     add_to: torch.Tensor | None = None,
-    k_split: int | None = None,
 ) -> torch.Tensor:
     """The reference for `fp8_mma_gemv`, in float32: f(x) (before the norm's 1/rms) rounded to
-    e4m3 per row by kernels/fp8_quant.py's reference, times the dequantized weight; with
-    `k_split` (split-K: `split_columns`) each chunk of that many input columns is rounded with
-    its own scale."""
+    e4m3 per row by kernels/fp8_quant.py's reference, times the dequantized weight."""
     xf = x.float()
     r = None
     if silu or gelu:
@@ -295,12 +252,8 @@ def fp8_mma_gemv_torch(
     elif norm_weight is not None:
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         xf = xf * norm_weight.float()
-    step = xf.shape[1] if k_split is None else k_split
-    y = 0
-    for k0 in range(0, xf.shape[1], step):
-        xq, xs = quantize_rows_fp8_torch(xf[:, k0 : k0 + step])
-        y = y + F.linear(xq.float(), weight[:, k0 : k0 + step].float()) * xs
-    y = y * w_scale.float()[None, :]
+    xq, xs = quantize_rows_fp8_torch(xf)
+    y = F.linear(xq.float(), weight.float()) * (xs * w_scale.float()[None, :])
     if r is not None:
         y = y * r
     if add_to is None:

@@ -21,9 +21,7 @@ that is half a shift, an and-or and an FMA, and with x' = 16 x (low nibbles) or 
 per word and row (a, c of its group), the input sums shared by the four rows (and by the other
 quads of the program).
 Each program owns BLOCK_Q quads (4 * BLOCK_Q rows) of one input row, the K loop in steps of
-BLOCK_KW words, or with split-K (a config's fifth element) one of SPLIT shares of the words,
-the tile's last split to finish adding the partials in split order (`_triton.split_k_gather`;
-no atomics in the sums: the same bits every run); the input rows of a small
+BLOCK_KW words (no split-K, no atomics: the same bits every run); the input rows of a small
 batch are the grid's fastest axis, so the programs that read the same weights run together and
 share them through L2.
 
@@ -38,15 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from radix_runtime.worker.kernels._triton import (
-    gemv_input,
-    pdl_launch,
-    pdl_wait,
-    split_counters,
-    split_k_gather,
-    tl,
-    triton,
-)
+from radix_runtime.worker.kernels._triton import pdl_launch, pdl_wait, tl, triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INT4_PLAIN, INT4_NORM, INT4_SILU = 0, 1, 2  # the prologues (as kernels/gemv.py's GEMV_*)
@@ -82,6 +72,20 @@ def _nibble_floats(words, P: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _gemv_input(x_row, norm_ptr, col, ok, K, PROLOGUE: tl.constexpr):
+    """The GEMV's input at columns `col`: x, x * norm (the rmsnorm's 1/rms comes at the end), or
+    silu(x[:K]) * x[K:]; and x's square (the norm's sum of squares)."""
+    if PROLOGUE == 2:
+        g = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
+        v = g / (1.0 + tl.exp(-g)) * tl.load(x_row + K + col, mask=ok, other=0.0).to(tl.float32)
+        return v, v
+    v = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
+        return v * tl.load(norm_ptr + col, mask=ok, other=0.0).to(tl.float32), v * v
+    return v, v
+
+
+@triton.jit
 def _weight_block(w_base, ac_base, kw0, kw_total, q_ok, WG: tl.constexpr, BLOCK_KW: tl.constexpr,
                   EVEN: tl.constexpr):  # fmt: skip
     """The [BLOCK_KW, BLOCK_Q, 4] words from word kw0 on, and their groups' a and c."""
@@ -107,13 +111,9 @@ def _int4_gemv_kernel(
     ac_ptr,
     y_ptr,
     norm_ptr,
-    part_ptr,  # SPLIT > 1: float32 [SPLIT, M, N], each split's partial products
-    sq_ptr,  # SPLIT > 1: float32 [SPLIT, M, quad tiles], each split's sum of squares
-    cnt_ptr,  # SPLIT > 1: int32 [M, quad tiles], zero between calls: the splits of a tile done
     N,
     K,
     kw_total,  # K // 8: a row's words (an argument, so that Triton sees its divisibility by 16)
-    kw_split,  # SPLIT > 1: the words of one split (a multiple of BLOCK_KW)
     groups,
     x_stride,
     y_stride,
@@ -126,17 +126,10 @@ def _int4_gemv_kernel(
     EVEN: tl.constexpr,  # K // 8 a multiple of BLOCK_KW and N // 4 of BLOCK_Q
     PREFETCH: tl.constexpr,  # load the next block's weights before this block's arithmetic
     ASM: tl.constexpr,  # PTX inline assembly (not in Triton's CPU interpreter)
-    SPLIT: tl.constexpr,  # programs per output tile (grid axis 2), each over kw_split words
     USE_PDL: tl.constexpr,  # launched dependently (with PREFETCH the first block loads before the wait)
 ):
     WG: tl.constexpr = GROUP // 8  # words per group
     m = tl.program_id(0).to(tl.int64)  # the input row (fastest: the weight rows stay in L2)
-    if SPLIT == 1:
-        kw_lo = 0
-        kw_hi = kw_total
-    else:  # this program's words [kw_lo, kw_hi) of every row of its tile
-        kw_lo = tl.program_id(2) * kw_split
-        kw_hi = tl.minimum(kw_lo + kw_split, kw_total)
     quad = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = quad < N // 4
     t = tl.arange(0, 4)
@@ -150,29 +143,28 @@ def _int4_gemv_kernel(
     w_base = qw_ptr + ((quad * kw_total)[None, :, None] * 4 + t[None, None, :])
     ac_base = ac_ptr + ((quad * groups)[None, :, None] * 8 + t[None, None, :])
     if PREFETCH:  # the first block's words and scales, before the loop
-        words_n, a_n, c_n = _weight_block(w_base, ac_base, kw_lo, kw_hi, q_ok, WG, BLOCK_KW,
-                                          EVEN)  # fmt: skip
+        words_n, a_n, c_n = _weight_block(w_base, ac_base, 0, kw_total, q_ok, WG, BLOCK_KW, EVEN)
     pdl_wait(USE_PDL)  # (weights are never written by a kernel: only x and y wait)
-    if ADD and SPLIT == 1:  # fetched first: its latency hides behind the weight stream
+    if ADD:  # fetched first: its latency hides behind the weight stream
         y0 = tl.load(y_ptr + m * y_stride + rows, mask=q_ok[:, None], other=0.0).to(tl.float32)
-    for kw0 in range(kw_lo, kw_hi, BLOCK_KW):
+    for kw0 in range(0, kw_total, BLOCK_KW):
         w = kw0 + tl.arange(0, BLOCK_KW)
-        w_ok = w < kw_hi  # (the input's loads keep it: one compare per word)
+        w_ok = w < kw_total  # (the input's loads keep it: one compare per word)
         if PREFETCH:  # this block's were loaded a step ago; the next block's loads go out now
             words, a, c = words_n, a_n, c_n
-            words_n, a_n, c_n = _weight_block(w_base, ac_base, kw0 + BLOCK_KW, kw_hi, q_ok,
+            words_n, a_n, c_n = _weight_block(w_base, ac_base, kw0 + BLOCK_KW, kw_total, q_ok,
                                               WG, BLOCK_KW, False)  # fmt: skip
         else:
-            words, a, c = _weight_block(w_base, ac_base, kw0, kw_hi, q_ok, WG, BLOCK_KW, EVEN)
+            words, a, c = _weight_block(w_base, ac_base, kw0, kw_total, q_ok, WG, BLOCK_KW, EVEN)
         col = w * 8
-        x0, s0 = gemv_input(x_row, norm_ptr, col, w_ok, K, PROLOGUE)
-        x1, s1 = gemv_input(x_row, norm_ptr, col + 1, w_ok, K, PROLOGUE)
-        x2, s2 = gemv_input(x_row, norm_ptr, col + 2, w_ok, K, PROLOGUE)
-        x3, s3 = gemv_input(x_row, norm_ptr, col + 3, w_ok, K, PROLOGUE)
-        x4, s4 = gemv_input(x_row, norm_ptr, col + 4, w_ok, K, PROLOGUE)
-        x5, s5 = gemv_input(x_row, norm_ptr, col + 5, w_ok, K, PROLOGUE)
-        x6, s6 = gemv_input(x_row, norm_ptr, col + 6, w_ok, K, PROLOGUE)
-        x7, s7 = gemv_input(x_row, norm_ptr, col + 7, w_ok, K, PROLOGUE)
+        x0, s0 = _gemv_input(x_row, norm_ptr, col, w_ok, K, PROLOGUE)
+        x1, s1 = _gemv_input(x_row, norm_ptr, col + 1, w_ok, K, PROLOGUE)
+        x2, s2 = _gemv_input(x_row, norm_ptr, col + 2, w_ok, K, PROLOGUE)
+        x3, s3 = _gemv_input(x_row, norm_ptr, col + 3, w_ok, K, PROLOGUE)
+        x4, s4 = _gemv_input(x_row, norm_ptr, col + 4, w_ok, K, PROLOGUE)
+        x5, s5 = _gemv_input(x_row, norm_ptr, col + 5, w_ok, K, PROLOGUE)
+        x6, s6 = _gemv_input(x_row, norm_ptr, col + 6, w_ok, K, PROLOGUE)
+        x7, s7 = _gemv_input(x_row, norm_ptr, col + 7, w_ok, K, PROLOGUE)
         if PROLOGUE == 1:
             sq += ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
         xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # sum x
@@ -192,28 +184,11 @@ def _int4_gemv_kernel(
         acc += a * part  # two FMAs (a * part + c * xs would be a product, an FMA and an add)
         acc += c * xs[:, None, None]
     y = tl.sum(acc, axis=0)  # [BLOCK_Q, 4]
-    if SPLIT == 1:
-        if PROLOGUE == 1:
-            y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-        if ADD:
-            y += y0
-        tl.store(y_ptr + m * y_stride + rows, y.to(y_ptr.dtype.element_ty), mask=q_ok[:, None])
-    else:  # each split's partial products; the tile's last split adds them up
-        tiles = tl.num_programs(1)
-        tile = m * tiles + tl.program_id(1)
-        y_ok = q_ok[:, None] & (t < 4)[None, :]
-        last, y, total_sq = split_k_gather(
-            y, m * N + rows, y_ok, part_ptr, tl.num_programs(0) * N, tl.sum(sq, axis=0), tile,
-            sq_ptr, tl.num_programs(0) * tiles, cnt_ptr, tile, tl.program_id(2), SPLIT,
-            PROLOGUE == 1,
-        )  # fmt: skip
-        if last:
-            if PROLOGUE == 1:
-                y = y * tl.rsqrt(total_sq / K + eps)
-            out = y_ptr + m * y_stride + rows
-            if ADD:
-                y += tl.load(out, mask=y_ok, other=0.0).to(tl.float32)
-            tl.store(out, y.to(y_ptr.dtype.element_ty), mask=y_ok)
+    if PROLOGUE == 1:
+        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    if ADD:
+        y += y0
+    tl.store(y_ptr + m * y_stride + rows, y.to(y_ptr.dtype.element_ty), mask=q_ok[:, None])
 
 
 @triton.jit
@@ -389,11 +364,8 @@ def int4_gemv(
     layout above (`gemv_scales` from `int4_gemv_scales`). As kernels/gemv.py's `gemv`, the input
     can be rmsnorm(x) * norm_weight (`norm_weight`) or silu(x[:, :K]) * x[:, K:] (`silu`,
     x [M, 2K]), and with `add_to` ([M, N]) the product is added into it in place (returned).
-    `config` (BLOCK_Q, BLOCK_KW, num_warps[, prefetch[, split]]) overrides
-    INT4_GEMV_DEFAULT_CONFIG (prefetch 1: each step loads the next step's weights before its own
-    arithmetic; split > 1: split-K, that many programs per tile of rows along the input, each
-    storing its partial products, the tile's last one to finish adding them up in split order:
-    the same bits every run). `pdl`:
+    `config` (BLOCK_Q, BLOCK_KW, num_warps[, prefetch]) overrides INT4_GEMV_DEFAULT_CONFIG
+    (prefetch 1: each step loads the next step's weights before its own arithmetic). `pdl`:
     launch dependently, as kernels/gemv.py's `gemv`."""
     if silu and norm_weight is not None:
         raise ValueError("int4_gemv: a norm and a SiLU prologue cannot be combined")
@@ -411,25 +383,14 @@ def int4_gemv(
     if m == 0:
         return y
     prologue = INT4_SILU if silu else INT4_NORM if norm_weight is not None else INT4_PLAIN
-    block_q, block_kw, warps, *extra = config or INT4_GEMV_DEFAULT_CONFIG
-    prefetch = bool(extra and extra[0])
-    split = extra[1] if len(extra) > 1 else 1
-    kw = k // 8
-    kw_split = kw if split <= 1 else triton.cdiv(triton.cdiv(kw, split), block_kw) * block_kw
-    split = -(-kw // kw_split)  # (too few words for every split: fewer)
-    tiles = triton.cdiv(n // 4, block_q)
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        sq = torch.empty((split, m, tiles), dtype=torch.float32, device=x.device)
-        cnt = split_counters(x.device, m * tiles)
-    else:
-        part = sq = cnt = y
-    _int4_gemv_kernel[(m, tiles, split)](
-        x, qweight, gemv_scales, y, x if norm_weight is None else norm_weight, part, sq, cnt, n,
-        k, kw, kw_split, gemv_scales.shape[1], x.stride(0), y.stride(0), eps, GROUP=group_size,
-        PROLOGUE=prologue, ADD=add_to is not None, BLOCK_Q=block_q, BLOCK_KW=block_kw,
-        EVEN=kw % block_kw == 0 and (n // 4) % block_q == 0, PREFETCH=prefetch,
-        ASM=not _INTERPRET, SPLIT=split, num_warps=warps, **pdl_launch(pdl),
+    block_q, block_kw, warps, *prefetch = config or INT4_GEMV_DEFAULT_CONFIG
+    _int4_gemv_kernel[(m, triton.cdiv(n // 4, block_q))](
+        x, qweight, gemv_scales, y, x if norm_weight is None else norm_weight, n, k, k // 8,
+        gemv_scales.shape[1], x.stride(0), y.stride(0), eps, GROUP=group_size, PROLOGUE=prologue,
+        ADD=add_to is not None, BLOCK_Q=block_q, BLOCK_KW=block_kw,
+        EVEN=(k // 8) % block_kw == 0 and (n // 4) % block_q == 0,
+        PREFETCH=bool(prefetch and prefetch[0]), ASM=not _INTERPRET,
+        num_warps=warps, **pdl_launch(pdl),
     )  # fmt: skip
     return y
 
