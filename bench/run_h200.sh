@@ -39,9 +39,11 @@
 #              the dummy model's 259-token stand-in vocabulary)
 #   host_copy  bench/host_copy.py: the host KV tier's loads / writes of 4,096 pages of the 8B
 #              shape against the pinned copy, runs of 1, 16, 256 pages -> $OUT/h200_host_copy.json
-#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload: device-only,
-#              write_through, write_back, unrestricted (four servers, about 7 minutes)
-#              -> $OUT/h200_hicache_multi_turn_policies.json
+#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload in a closed loop:
+#              device-only, cache off, write_through, write_back, unrestricted (five servers,
+#              about 8 minutes) -> $OUT/h200_hicache_closed_loop.json
+#   hicache_poisson  the same workload with Poisson arrivals (6 turns a second): write_through
+#              and the unrestricted pool (about 3 minutes) -> $OUT/h200_hicache_poisson.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -169,14 +171,20 @@ for stage in "${stages[@]}"; do
         host_copy)
             timeout 300 python3 bench/host_copy.py --pages 4096 \
                 --out "$OUT/h200_host_copy.json" || status=1 ;;
-        hicache)
+        hicache|hicache_poisson)
+            if [ "$stage" = hicache ]; then
+                more=(--hicache-policies write_through,write_back --compare-no-cache)
+                name=closed_loop
+            else
+                more=(--request-rate 6 --hicache-policies write_through --skip-device-only)
+                name=poisson
+            fi
             timeout 590 python3 bench/multi_turn_chat.py --model llama-3.1-8b --clients 48 \
-                --rounds 4 --system-tokens 1024 --context-tokens 1024 --user-tokens 128 \
+                --rounds 3 --system-tokens 1024 --context-tokens 1024 --user-tokens 128 \
                 --answer-tokens 128 --max-inflight 6 \
-                --server-args "--load-format dummy --max-total-tokens 22000" \
-                --hicache-policies write_through,write_back \
+                --server-args "--load-format dummy --max-total-tokens 22000" "${more[@]}" \
                 --hicache-args "--hicache-ratio 6" --unrestricted-tokens 400000 \
-                --out "$OUT/h200_hicache_multi_turn_policies.json" || status=1 ;;
+                --out "$OUT/h200_hicache_$name.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
