@@ -37,8 +37,9 @@ not a goal).
         --out docs/results/h200_quant_kernels.json             # the weights (run_h200.sh int4)
     python bench/quant.py --variants bf16,fp8,fp8+head,fp8_mma,fp8_mma+head,int4,int4+head \
         --sweeps fp8_mma --out docs/results/h200_quant_fp8_mma.json   # (run_h200.sh fp8_mma)
-    python bench/quant.py --no-sweep --timeline --out docs/results/h200_quant_split.json \
-        --variants bf16,fp8_mma,fp8_mma_all+head,int4,fp8,fp8_mma_all,int4+head,fp8_nopdl,fp8_mma_nopdl
+    python bench/quant.py --no-sweep --timeline --out docs/results/h200_quant_timeline.json \
+        --variants bf16,fp8,fp8_mma,fp8_mma+head,int4,int4+head,fp8_nopdl,fp8_mma_nopdl
+                                                                  # (run_h200.sh quant_timeline)
 """
 
 from __future__ import annotations

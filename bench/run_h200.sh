@@ -29,6 +29,9 @@
 #              LM head; fp8_mma: on products of >= 16,384 rows, the default) / int4 (+ FP8 head)
 #              decode at batch 1 and prefill 8K in one run, then
 #              tests/gpu/test_fp8_gemv_gpu.py -> $OUT/h200_quant_fp8_mma.json, $OUT/gpu_tests_fp8_mma.txt
+#   quant_timeline  bench/quant.py --timeline: bf16 / FP8 (W8A16 only, default, + FP8 head) / int4
+#              (+ FP8 head) batch-1 decode with the graphed step by kernel role, and FP8 without
+#              dependent launches -> $OUT/h200_quant_timeline.json
 #   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
@@ -197,6 +200,10 @@ for stage in "${stages[@]}"; do
                 --sweeps fp8_mma,prefill_gemm --out "$OUT/h200_quant_fp8_mma.json" || status=1
             timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
                 2>&1 | tail -30 | tee "$OUT/gpu_tests_fp8_mma.txt" || status=1 ;;
+        quant_timeline)
+            timeout 300 python3 bench/quant.py --no-sweep --timeline \
+                --variants bf16,fp8,fp8_mma,fp8_mma+head,int4,int4+head,fp8_nopdl,fp8_mma_nopdl \
+                --out "$OUT/h200_quant_timeline.json" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
                 --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \
