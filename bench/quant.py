@@ -6,12 +6,16 @@ every one-token product (`KernelConfig.fp8_mma_max_rows` 0); `fp8_mma` = the def
 W8A8 tensor-core GEMV on products of >= `fp8_mma_min_n` rows), `fp8_mma_all` on every product;
 `+head` = with `--quantize-lm-head` (`fp8+head`: the tensor-core GEMV on the head only); `int4` =
 `--quantization int4`, packed W4A16 with the Triton int4 GEMV for decode; `fp8_kv` = bf16
-weights with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both):
+weights with `--kv-cache-dtype fp8_e4m3`; `fp8+fp8_kv` both; `fp8_nopdl` / `fp8_mma_nopdl`: `fp8`
+/ `fp8_mma` without dependent launches, decode only):
 - decode at batch 1 over a 1,024-token context, the worker's overlapped schedule with its CUDA
   graph (`decode_bs1_ms`, tok/s) and the graph replay alone; the weight bytes each step reads over
   that time as a fraction of the read-bandwidth ceiling (`read_TBps`, bench/gpu_worker.py's
   streaming GEMV on the LM head's shape, measured in the same run): each variant's own roofline,
   since its weights have their own size;
+- with `--timeline`, the graphed step by kernel role (`kernel_timeline`: each projection's and
+  phase's GPU time per step, what it adds to the step and how early it starts, from a
+  torch.profiler trace of the graph replays);
 - prefill of 8,192 tokens in one chunk (wall ms);
 - KV bytes per token (the pool's capacity in a fixed memory budget is inversely proportional);
 - the FP8 GEMV's (BLOCK_N, BLOCK_K, warps) and the int4 GEMV's (BLOCK_Q, BLOCK_KW, warps) on the
@@ -33,6 +37,9 @@ not a goal).
         --out docs/results/h200_quant_kernels.json             # the weights (run_h200.sh int4)
     python bench/quant.py --variants bf16,fp8,fp8+head,fp8_mma,fp8_mma+head,int4,int4+head \
         --sweeps fp8_mma --out docs/results/h200_quant_fp8_mma.json   # (run_h200.sh fp8_mma)
+    python bench/quant.py --no-sweep --timeline --out docs/results/h200_quant_timeline.json \
+        --variants bf16,fp8,fp8_mma,fp8_mma+head,int4,int4+head,fp8_nopdl,fp8_mma_nopdl
+                                                                  # (run_h200.sh quant_timeline)
 """
 
 from __future__ import annotations
@@ -61,6 +68,9 @@ VARIANTS = {
     "fp8": {"quantization": "fp8"},
     "fp8_mma": {"quantization": "fp8"},
     "fp8_mma_all": {"quantization": "fp8"},
+    "fp8_mma_all+head": {"quantization": "fp8", "quantize_lm_head": True},
+    "fp8_nopdl": {"quantization": "fp8"},
+    "fp8_mma_nopdl": {"quantization": "fp8"},
     "fp8+head": {"quantization": "fp8", "quantize_lm_head": True},
     "fp8_mma+head": {"quantization": "fp8", "quantize_lm_head": True},
     "int4+head": {"quantization": "int4", "quantize_lm_head": True},
@@ -73,8 +83,13 @@ VARIANT_KERNELS = {
     "fp8": {"fp8_mma_max_rows": 0},
     "fp8_mma": {},  # the default: the tensor-core GEMV on wide FP8 products (fp8_mma_min_n)
     "fp8_mma_all": {"fp8_mma_min_n": 0},  # on every FP8 projection
+    "fp8_mma_all+head": {"fp8_mma_min_n": 0},
     "fp8+head": {"fp8_mma_min_n": 65536},  # on the FP8 LM head only
+    # without dependent launches (what they hide of each GEMV; decode only)
+    "fp8_nopdl": {"fp8_mma_max_rows": 0, "pdl": False},
+    "fp8_mma_nopdl": {"pdl": False},
 }
+DECODE_ONLY = ("fp8_nopdl", "fp8_mma_nopdl")  # diagnostic variants: no prefill
 
 
 class QuantBench(Bench):
@@ -123,12 +138,87 @@ def measure(name: str, flags: dict, args, read_tbps: float) -> dict:
         graph_ms = cuda_time_ms(runner.cuda_graphs.graphs[1].replay, 3, 20)
         out["decode_bs1_graph_ms"] = graph_ms
         out["decode_bs1_graph_read_bw_fraction"] = w_bytes / (graph_ms * 1e-3) / 1e12 / read_tbps
-    out[f"prefill_{args.prefill_tokens}_ms"] = bench.prefill(args.prefill_tokens, 1, 3)
+        if args.timeline:
+            out["decode_bs1_timeline"] = kernel_timeline(runner.cuda_graphs.graphs[1].replay)
+    if name not in DECODE_ONLY:
+        out[f"prefill_{args.prefill_tokens}_ms"] = bench.prefill(args.prefill_tokens, 1, 3)
     del bench, runner
     gc.collect()
     torch.cuda.empty_cache()
     print(name, {k: v for k, v in out.items() if not isinstance(v, dict)}, flush=True)
     return out
+
+
+def kernel_timeline(fn, steps: int = 5, roles: tuple[str, ...] = ("qkv", "o", "gate_up", "down")):
+    """Where a step's GPU time goes, by kernel role: `steps` calls of `fn` (a graph replay)
+    under torch.profiler; each kernel's duration, and its marginal time (its end minus the
+    previous kernel's end: what it adds to the step, its overlap with the kernel before it under
+    dependent launches excluded) and its gap (its start minus the previous kernel's end: negative
+    when it started early), summed per role in us per step (median over the steps). The step's
+    matmul kernels take `roles` in turn, per layer, the last one "lm_head"; the others are named
+    by their phase (bench/kernel_phases.py)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            trace = json.load(g)
+    kernels = [
+        (e["ts"], e["dur"], e["name"])
+        for e in trace["traceEvents"]
+        if e.get("cat") == "kernel" and "dur" in e
+    ]
+    return timeline_by_role(kernels, steps, roles)
+
+
+def timeline_by_role(kernels: list, steps: int, roles: tuple[str, ...]) -> dict:
+    """`kernel_timeline`'s sums from (start us, duration us, name) of `steps` equal steps."""
+    import statistics
+
+    from bench.kernel_phases import kernel_phase
+
+    kernels = sorted(kernels)
+    per_step = len(kernels) // steps
+    if per_step * steps != len(kernels) or per_step == 0:
+        return {"error": f"{len(kernels)} kernels in {steps} steps"}
+    by_role: dict[str, dict[str, list[float]]] = {}
+    spans = []
+    for s in range(steps):
+        ks = kernels[s * per_step : (s + 1) * per_step]
+        mm = [i for i, k in enumerate(ks) if kernel_phase(k[2]) == "matmul"]
+        labels = {i: roles[j % len(roles)] for j, i in enumerate(mm[:-1])}
+        if mm:
+            labels[mm[-1]] = "lm_head"
+        sums: dict[str, list[float]] = {}
+        prev_end = ks[0][0]
+        for i, (ts, dur, name) in enumerate(ks):
+            row = sums.setdefault(labels.get(i, kernel_phase(name)), [0.0, 0.0, 0.0, 0])
+            row[0] += dur
+            row[1] += max(ts + dur, prev_end) - prev_end
+            row[2] += ts - prev_end
+            row[3] += 1
+            prev_end = max(prev_end, ts + dur)
+        spans.append(prev_end - ks[0][0])
+        for role, row in sums.items():
+            for key, v in zip(("dur_us", "marginal_us", "gap_us", "kernels"), row):
+                by_role.setdefault(role, {}).setdefault(key, []).append(v)
+    return {
+        "kernels_per_step": per_step,
+        "span_us": statistics.median(spans),
+        "by_role": {
+            role: {key: statistics.median(v) for key, v in d.items()}
+            for role, d in sorted(by_role.items(), key=lambda kv: -sum(kv[1]["marginal_us"]))
+        },
+    }
 
 
 # the one-token layer's four GEMVs of the 8B shape: (name, rows, cols, prologue, residual add)
@@ -466,6 +556,11 @@ def main() -> None:
         action="store_true",
         help="measure the variants with the code's GEMV tables, not this run's sweep winners",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also each variant's graphed decode step by kernel role (kernel_timeline)",
+    )
     p.add_argument("--out")
     args = p.parse_args()
     read_tbps = read_bandwidth_TBps()
@@ -510,7 +605,8 @@ def main() -> None:
     for name, v in results["variants"].items():
         if base is not None and name != "bf16":
             v["decode_bs1_vs_bf16"] = base["decode_bs1_ms"] / v["decode_bs1_ms"]
-            v[f"{pre.removesuffix('_ms')}_vs_bf16"] = base[pre] / v[pre]
+            if pre in v:
+                v[f"{pre.removesuffix('_ms')}_vs_bf16"] = base[pre] / v[pre]
             v["kv_tokens_vs_bf16"] = base["kv_bytes_per_token"] / v["kv_bytes_per_token"]
     if args.out:
         write_json(args.out, results)

@@ -29,6 +29,9 @@
 #              LM head; fp8_mma: on products of >= 16,384 rows, the default) / int4 (+ FP8 head)
 #              decode at batch 1 and prefill 8K in one run, then
 #              tests/gpu/test_fp8_gemv_gpu.py -> $OUT/h200_quant_fp8_mma.json, $OUT/gpu_tests_fp8_mma.txt
+#   quant_timeline  bench/quant.py --timeline: bf16 / FP8 (W8A16 only, default, + FP8 head) / int4
+#              (+ FP8 head) batch-1 decode with the graphed step by kernel role, and FP8 without
+#              dependent launches -> $OUT/h200_quant_timeline.json
 #   structured bench/structured.py: constrained / unconstrained decode tok/s at batch 1, 64, 256,
 #              grammar compile times, jump-forward -> $OUT/h200_structured.json
 #   grammar_host  bench/grammar_host.py on the GPU host's CPU: the host ms per constrained step
@@ -39,9 +42,11 @@
 #              the dummy model's 259-token stand-in vocabulary)
 #   host_copy  bench/host_copy.py: the host KV tier's loads / writes of 4,096 pages of the 8B
 #              shape against the pinned copy, runs of 1, 16, 256 pages -> $OUT/h200_host_copy.json
-#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload: device-only,
-#              write_through, write_back, unrestricted (four servers, about 7 minutes)
-#              -> $OUT/h200_hicache_multi_turn_policies.json
+#   hicache    bench/multi_turn_chat.py, docs/hicache.md's host-tier workload in a closed loop:
+#              device-only, cache off, write_through, write_back, unrestricted (five servers,
+#              about 8 minutes) -> $OUT/h200_hicache_closed_loop.json
+#   hicache_poisson  the same workload with Poisson arrivals (6 turns a second): write_through
+#              and the unrestricted pool (about 3 minutes) -> $OUT/h200_hicache_poisson.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -169,14 +174,20 @@ for stage in "${stages[@]}"; do
         host_copy)
             timeout 300 python3 bench/host_copy.py --pages 4096 \
                 --out "$OUT/h200_host_copy.json" || status=1 ;;
-        hicache)
+        hicache|hicache_poisson)
+            if [ "$stage" = hicache ]; then
+                more=(--hicache-policies write_through,write_back --compare-no-cache)
+                name=closed_loop
+            else
+                more=(--request-rate 6 --hicache-policies write_through --skip-device-only)
+                name=poisson
+            fi
             timeout 590 python3 bench/multi_turn_chat.py --model llama-3.1-8b --clients 48 \
-                --rounds 4 --system-tokens 1024 --context-tokens 1024 --user-tokens 128 \
+                --rounds 3 --system-tokens 1024 --context-tokens 1024 --user-tokens 128 \
                 --answer-tokens 128 --max-inflight 6 \
-                --server-args "--load-format dummy --max-total-tokens 22000" \
-                --hicache-policies write_through,write_back \
+                --server-args "--load-format dummy --max-total-tokens 22000" "${more[@]}" \
                 --hicache-args "--hicache-ratio 6" --unrestricted-tokens 400000 \
-                --out "$OUT/h200_hicache_multi_turn_policies.json" || status=1 ;;
+                --out "$OUT/h200_hicache_$name.json" || status=1 ;;
         experiments)
             timeout 300 python3 bench/gpu_worker.py --experiments \
                 --out "$OUT/gpu_worker_experiments.json" || status=1 ;;
@@ -189,6 +200,10 @@ for stage in "${stages[@]}"; do
                 --sweeps fp8_mma,prefill_gemm --out "$OUT/h200_quant_fp8_mma.json" || status=1
             timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
                 2>&1 | tail -30 | tee "$OUT/gpu_tests_fp8_mma.txt" || status=1 ;;
+        quant_timeline)
+            timeout 300 python3 bench/quant.py --no-sweep --timeline \
+                --variants bf16,fp8,fp8_mma,fp8_mma+head,int4,int4+head,fp8_nopdl,fp8_mma_nopdl \
+                --out "$OUT/h200_quant_timeline.json" || status=1 ;;
         metrics)
             timeout 590 python3 bench/metrics_overhead.py --model llama-3.1-8b \
                 --server-args "--load-format dummy --mem-fraction-static 0.9 --max-total-tokens 200000" \
