@@ -677,7 +677,7 @@ def host_info() -> dict:
     OpenMP settings a CPU worker inherits, and the event loop and HTTP parser that this client
     and a launched server (same environment) run on: uvloop and httptools, or asyncio's own
     loop and uvicorn's pure-Python h11 when they are missing (null here)."""
-    env = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "CUDA_VISIBLE_DEVICES")
+    env = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CUDA_VISIBLE_DEVICES")
     return {
         "cpus": os.cpu_count(),
         "loadavg_1m_at_start": os.getloadavg()[0],
@@ -759,6 +759,7 @@ def machine() -> dict:
 # the environment variables a run's numbers depend on, repeated in front of its command
 COMMAND_ENV = (
     "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
     "OMP_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
     "RADIX_RUNTIME_GEMV_CONFIGS",
