@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import os
 
-import pytest
-from http_support import Served, served
-from server_support import DEFAULT_TEST_FLAGS, ServerHandle, free_port, start_server
+from radix_runtime.utils.procs import OMP_SPIN_COUNT
+
+# the tests share 2 cores with the servers they start: OpenMP threads wait passively after the
+# short spin a server's children get (utils/procs.child_env), in this process too (set before
+# torch loads libgomp): a long spin starves the servers, none makes each of a CPU step's
+# parallel regions wait for a wake-up (two CPU test files: 84.7 s without the spin, 50.2 with)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_COUNT)
+
+import pytest  # noqa: E402
+from http_support import Served, served  # noqa: E402
+from server_support import DEFAULT_TEST_FLAGS, ServerHandle, free_port, start_server  # noqa: E402
 
 __all__ = ["DEFAULT_TEST_FLAGS", "ServerHandle", "free_port", "start_server"]
-
-# the tests share 2 cores with the servers they start: no spinning OpenMP threads (see procs.py)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
