@@ -186,10 +186,7 @@ def measure(url: str, tokens: int, tag: str) -> dict:
     seconds, reply = complete(url, prompt, 1)
     prefill = reply["usage"]["prompt_tokens"] / seconds
 
-    history = long_prompt(f"chat {tag}")
-    _, answer = complete(url, history, 24)
-    turn2 = history + answer["choices"][0]["text"] + "\nQuestion: and in one word?"
-    sent, first, _, _, _ = stream(url, turn2, 2)
+    sent, first, _, _, _ = stream(url, second_turn(url, f"chat {tag}"), 2)
     parts = cached_turn_parts(url, f"parts {tag}")
     return {
         "loadavg_1m": os.getloadavg()[0],  # the machine's load right after the round
@@ -202,15 +199,21 @@ def measure(url: str, tokens: int, tag: str) -> dict:
     }
 
 
+def second_turn(url: str, tag: str) -> str:
+    """A chat's second turn: a long first turn sent and answered (24 tokens), then the history
+    with its answer and a short question; its prefix is the server's to reuse."""
+    history = long_prompt(tag)
+    _, answer = complete(url, history, 24)
+    return history + answer["choices"][0]["text"] + "\nQuestion: and in one word?"
+
+
 def cached_turn_parts(url: str, tag: str) -> dict[str, float] | None:
     """A cached turn as `measure` times it, split by the server's /metrics (read before and
     after it): ms of the client's TTFT, the server's TTFT, its TTFT_PARTS and the front (client
     minus server); None without /metrics (llama.cpp's server)."""
     if scheduler_times(url, None) is None:  # no /metrics of ours: no turn to spend
         return None
-    history = long_prompt(f"chat {tag}")
-    _, answer = complete(url, history, 24)
-    turn2 = history + answer["choices"][0]["text"] + "\nQuestion: and in one word?"
+    turn2 = second_turn(url, f"chat {tag}")
     before = scheduler_times(url, None)
     sent, first, _, _, _ = stream(url, turn2, 2)
     return ttft_parts(first - sent, times_delta(before, scheduler_times(url, None)))

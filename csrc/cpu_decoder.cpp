@@ -217,9 +217,8 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v, do
                      std::vector<float> scores(group * len);
                      auto rows = avx512 ? decode_attention_rows_avx512 : decode_attention_rows;
                      rows(qp, kp, vp, op, t0, t1, heads, kv_heads, len, d,
-                                           static_cast<float>(scale), k.stride(0), k.stride(1),
-                                           k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                                           scores.data());
+                          static_cast<float>(scale), k.stride(0), k.stride(1), k.stride(2),
+                          v.stride(0), v.stride(1), v.stride(2), scores.data());
                    });
   return out;
 }
@@ -406,24 +405,24 @@ class CpuDecoder {
       TORCH_CHECK(lp[r] >= 0 && lp[r] < pool_rows, "out_cache_loc ", lp[r], " outside the pool");
     }
     at::parallel_for(0, n, rows_grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = src + r * width;
-      const float* c = cp + r * d;
-      const float* s = sp + r * d;
-      const int64_t dst = lp[r];
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* x = row + h * d;
-        float* o = h < num_heads_ ? qp + (r * num_heads_ + h) * d
-                                  : kp + dst * kv + (h - num_heads_) * d;
-        for (int64_t j = 0; j < d; ++j) {
-          const float rotated = j < half ? -x[j + half] : x[j - half];
-          const float a = x[j] * c[j];
-          const float b = rotated * s[j];
-          o[j] = a + b;
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row = src + r * width;
+        const float* c = cp + r * d;
+        const float* s = sp + r * d;
+        const int64_t dst = lp[r];
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* x = row + h * d;
+          float* o = h < num_heads_ ? qp + (r * num_heads_ + h) * d
+                                    : kp + dst * kv + (h - num_heads_) * d;
+          for (int64_t j = 0; j < d; ++j) {
+            const float rotated = j < half ? -x[j + half] : x[j - half];
+            const float a = x[j] * c[j];
+            const float b = rotated * s[j];
+            o[j] = a + b;
+          }
         }
+        std::memcpy(vp + dst * kv, row + heads * d, sizeof(float) * kv);
       }
-      std::memcpy(vp + dst * kv, row + heads * d, sizeof(float) * kv);
-    }
     });
     return q;
   }
@@ -489,13 +488,10 @@ class CpuDecoder {
         const int64_t n = c.end - c.start;
         Tensor q_c = q.slice(0, c.start, c.end).transpose(0, 1).unsqueeze(0);
         Tensor k_c = c.keys.gather(k_all).unsqueeze(0), v_c = c.keys.gather(v_all).unsqueeze(0);
-        if (c.grouped > 0) {  // a KV head's query heads one after the other
+        if (c.grouped > 0)  // a KV head's query heads one after the other
           q_c = q_c.reshape({1, num_kv_heads_, c.grouped * n, head_dim_});
-          Tensor o = sdpa(q_c, k_c, v_c, c.mask, true, false).reshape({num_heads_, n, head_dim_});
-          out.slice(0, c.start, c.end).copy_(o.transpose(0, 1));
-        } else {
-          out.slice(0, c.start, c.end).copy_(sdpa(q_c, k_c, v_c, c.mask, true)[0].transpose(0, 1));
-        }
+        Tensor o = sdpa(q_c, k_c, v_c, c.mask, true, c.grouped == 0);
+        out.slice(0, c.start, c.end).copy_(o.reshape({num_heads_, n, head_dim_}).transpose(0, 1));
       }
     }
     return l.o(out.reshape({-1, q_size}));

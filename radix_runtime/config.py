@@ -22,7 +22,7 @@ class ServerArgs:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # CPU weights: auto | float32 | bfloat16 | int8 | int4 (see worker/cpu_quant.py)
     cpu_weight_format: str = "auto"
-    # intra-op threads of a CPU step of at most 2 tokens (batch-1/2 decode); 0: all of them
+    # intra-op threads of a small CPU step (batch-1/2 decode, a lone cached turn); 0: all of them
     cpu_small_step_threads: int = 0
     # run the CPU path's decoder layers through the Python modules, not the C++ decoder
     disable_cpu_native_decoder: bool = False

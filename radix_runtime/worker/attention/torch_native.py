@@ -18,6 +18,7 @@ outside the window are never read, and the mask cuts the rest.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,16 +46,22 @@ class _DecodeGroup:
         return flat.index_select(0, self.kv_locs).view(*self.shape, *flat.shape[1:])
 
 
+@functools.cache
+def _decode_row_loop():
+    """The `_cpu_decoder` extension's decode_attention, or None when it is not built."""
+    from radix_runtime.worker import cpu_native  # (it imports this module)
+
+    ext = cpu_native.load_extension()
+    return ext.decode_attention if ext is not None else None
+
+
 def _row_attention(q: torch.Tensor, k_all: torch.Tensor):
     """The C++ row loop a decode step's attention runs as (float32 on the CPU, with the
     `_cpu_decoder` extension built; ATen's flash SDPA costs ~30-55 us a layer for one query),
     else None."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_all.dtype != torch.float32:
         return None
-    from radix_runtime.worker import cpu_native  # (it imports this module)
-
-    ext = cpu_native.load_extension()  # loaded once there
-    return ext.decode_attention if ext is not None else None
+    return _decode_row_loop()
 
 
 # a prefill chunk with a mask whose query heads, stacked per KV head, make at most this many rows
@@ -228,10 +235,8 @@ class TorchNativeBackend(AttentionBackend):
             k_c, v_c = c.gather(k_all), c.gather(v_all)
             if c.grouped:  # [1, Hkv, G*n, D]: a KV head's query heads one after the other
                 q_c = q_c.reshape(1, self.num_kv_heads, c.grouped * n, q.shape[-1])
-                o = self._sdpa(q_c, k_c, v_c, mask, gqa=False).reshape(self.num_heads, n, -1)
-                out[c.start : c.end] = o.transpose(0, 1)
-            else:
-                out[c.start : c.end] = self._sdpa(q_c, k_c, v_c, mask)[0].transpose(0, 1)
+            o = self._sdpa(q_c, k_c, v_c, mask, gqa=not c.grouped)
+            out[c.start : c.end] = o.reshape(self.num_heads, n, -1).transpose(0, 1)
         return out
 
     def _sdpa(
