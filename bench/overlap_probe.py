@@ -27,6 +27,11 @@ holding part of the SMs, the GEMMs on an ordinary stream (eager, where the devic
 allow it). Printed per page size:
 `concurrent / serial` (nano2x256 / serial2x256) and `nano / today` (nano2x256 / serial512).
 
+The results file is rewritten after each page size and when the run is stopped (SIGTERM, e.g.
+`timeout`), so a partial run keeps what it measured; `--from-log FILE` rebuilds the results of a
+run from its printed rows instead (marked reconstructed). docs/serving_roofline.md has the H200's
+numbers (docs/results/h200_overlap_probe.json).
+
     python bench/overlap_probe.py --out docs/results/h200_overlap_probe.json
 """
 
@@ -34,7 +39,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -219,12 +227,14 @@ def schedules(p: Probe, a: Half, b: Half, s_attn, s_gemm) -> dict[str, Callable[
     return {"nano2x256": nano, "free2x256": free}
 
 
-def probe_page_size(args, page_size: int, log) -> dict:
-    out: dict = {"page_size": page_size}
+def probe_page_size(args, page_size: int, log, out: dict) -> None:
+    """Fill `out` (the caller's, so that what was measured survives an interruption)."""
+    out["page_size"] = page_size
     p = Probe(args.context, page_size, args.layers, 2 * args.half)
     a, b = p.halves([args.half, args.half])
     (full,) = p.halves([2 * args.half])
     L, it = range(p.layers), args.iters
+    t0 = time.monotonic()
 
     def per_layer(ms: float) -> float:
         return ms / p.layers
@@ -238,7 +248,7 @@ def probe_page_size(args, page_size: int, log) -> dict:
             traceback.print_exc(limit=3)
             return None
         out[name] = ms
-        log(f"  page {page_size} {name}: {ms * 1e3:.1f} us/layer")
+        log(f"  page {page_size} {name}: {ms * 1e3:.1f} us/layer  [{time.monotonic() - t0:.0f} s]")
         return ms
 
     # components alone
@@ -290,6 +300,7 @@ def probe_page_size(args, page_size: int, log) -> dict:
             (hf,) = p.halves([2 * args.half], kw)
         except Exception as e:
             out[f"plan{tag}"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+            log(f"  page {page_size} plan{tag}: FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
         rec(f"attn256{tag}_ms", lambda ha=ha: [p.attn(ha, i) for i in L])
         rec(f"serial512{tag}_ms", lambda hf=hf: [(p.attn(hf, i), p.gemms(hf, i)) for i in L])
@@ -337,7 +348,6 @@ def probe_page_size(args, page_size: int, log) -> dict:
             eager_ms,
         )
         concurrent(tag, timer=eager_ms, streams=(s_attn, s_gemm))
-    return out
 
 
 def _on(stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
@@ -385,7 +395,18 @@ def main() -> None:
     p.add_argument("--carveouts", default="32,66", help="SMs cuBLAS leaves free, comma-separated")
     p.add_argument("--green-attn-sms", default="64,96", help="SMs of the attention's green context")
     p.add_argument("--out", help="write the results (JSON) here")
+    p.add_argument(
+        "--from-log",
+        metavar="FILE",
+        help="no measuring: rebuild the results of a run from its printed log (for a run that "
+        "was stopped before it wrote --out; see parse_log)",
+    )
     args = p.parse_args()
+    if args.from_log:
+        res = parse_log(Path(args.from_log).read_text())
+        finish(res, print)
+        write(args.out, res, {"reconstructed": True, "from_log": args.from_log})
+        return
     args.carveouts = [int(x) for x in args.carveouts.split(",") if x]
     args.green_attn_sms = [int(x) for x in args.green_attn_sms.split(",") if x]
     page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
@@ -422,19 +443,71 @@ def main() -> None:
         "ceilings": ceil,
         "page_sizes": page_sizes,
     }
-    for ps in page_sizes:
-        res[f"page{ps}"] = probe_page_size(args, ps, log)
-        torch.cuda.empty_cache()  # the page size's pool and weights are gone with its frame
+    # a timeout's SIGTERM ends the run through `finally`: what was measured is still written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("overlap_probe: terminated"))
+    try:
+        for ps in page_sizes:
+            res[f"page{ps}"] = {}
+            probe_page_size(args, ps, log, res[f"page{ps}"])
+            torch.cuda.empty_cache()  # the page size's pool and weights are gone with its frame
+            write(args.out, res, provenance(ceil))
+    finally:
+        finish(res, log)
+        write(args.out, res, provenance(ceil))
+
+
+def finish(res: dict, log) -> None:
     res["summary"] = summary(res)
-    for ps in page_sizes:
-        r, s = res[f"page{ps}"], res["summary"][f"page{ps}"]
-        log(f"page {ps}: concurrent / serial {r.get('concurrent_over_serial')} "
-            f"(best {s['best_nano_variant']}: {s['best_concurrent_over_serial']}); "
-            f"nano / today {r.get('nano_over_serial512')} (best {s['best_nano_over_serial512']})")  # fmt: skip
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"provenance": provenance(ceil), **res}, f, indent=2)
+
+    def f(x) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    for ps in res["page_sizes"]:
+        r, s = res.get(f"page{ps}", {}), res["summary"].get(f"page{ps}", {})
+        log(f"page {ps}: concurrent / serial {f(r.get('concurrent_over_serial'))} "
+            f"(best {s.get('best_nano_variant')}: {f(s.get('best_concurrent_over_serial'))}); "
+            f"nano / today {f(r.get('nano_over_serial512'))} "
+            f"(best {f(s.get('best_nano_over_serial512'))})")  # fmt: skip
+
+
+def write(path: str | None, res: dict, prov: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"provenance": prov, **res}, f, indent=2)
+
+
+_LOG_ROW = re.compile(r"^\s*page (\d+) (\S+): ([0-9.]+) us/layer")
+
+
+def parse_log(text: str) -> dict:
+    """The results of a run rebuilt from its printed log (the `page N name: X us/layer` rows and
+    the `ceilings:` line): per-layer times in ms as the run would have written them, the ratios
+    and the summary recomputed. Rows the log lacks (a run stopped early) are absent."""
+    res: dict = {"page_sizes": []}
+    for line in text.splitlines():
+        if line.startswith("ceilings: "):
+            res["ceilings"] = json.loads(line.removeprefix("ceilings: ").replace("'", '"'))
+        row = _LOG_ROW.match(line)
+        if row is None:
+            continue
+        ps, name, us = int(row[1]), row[2], float(row[3])
+        if ps not in res["page_sizes"]:
+            res["page_sizes"].append(ps)
+            res[f"page{ps}"] = {"page_size": ps}
+        res[f"page{ps}"][name] = us / 1e3
+    for ps in res["page_sizes"]:
+        r = res[f"page{ps}"]
+        for name, ms in list(r.items()):
+            m = re.fullmatch(r"nano2x256(.*)_ms", name)
+            if m and isinstance(ms, float):
+                tag = m[1]
+                if isinstance(r.get("serial2x256_ms"), float):
+                    r[f"concurrent_over_serial{tag}"] = ms / r["serial2x256_ms"]
+                if isinstance(r.get("serial512_ms"), float):
+                    r[f"nano_over_serial512{tag}"] = ms / r["serial512_ms"]
+    res["summary"] = summary(res)
+    return res
 
 
 if __name__ == "__main__":
