@@ -6,10 +6,14 @@ stores the new K/V, gathers each request's whole sequence from the pool, and run
 SDPA call; prefill chunks run one call each with a causal mask shifted by their cached prefix.
 
 On the CPU, a small prefill chunk with a cached prefix (a chat's next turn: a few new tokens
-over a long history) runs grouped-query attention as plain attention over G*n query rows per KV
-head (the G query heads of a KV head stacked, with the chunk's mask repeated and made additive
-once per step): one SDPA work item per KV head instead of per query head, ~25% less attention
-time for 9 tokens over ~950 keys, and bitwise the same outputs (`_PrefillChunk.grouped`).
+over a long history) runs, in float32 with the `_cpu_decoder` extension built, as a C++ kernel
+that reads its keys through their pool locations (`_PrefillChunk.row_prefix`,
+csrc/cpu_decoder.cpp `chunk_attention`: no gathered copy, work split evenly over both threads,
+each query row's result independent of the other rows). Otherwise (bfloat16, an FP8 pool, no
+extension) it runs grouped-query attention as plain attention over G*n query rows per KV head
+(the G query heads of a KV head stacked, with the chunk's mask repeated and made additive once
+per step): one SDPA work item per KV head instead of per query head, and bitwise the same
+outputs (`_PrefillChunk.grouped`).
 
 Sliding-window layers (a window of W keys: a query at position p sees positions > p - W) get a
 plan of their own: only the keys inside some query's window are gathered, so cached K/V
