@@ -207,6 +207,20 @@ class HostKVPool:
             ]
         # runs of consecutive host pages copied, and the pages in them (docs/hicache.md)
         self.load_runs = self.load_pages = self.write_runs = self.write_pages = 0
+        if self._table is not None:
+            self._compile_page_copies()
+
+    def _compile_page_copies(self) -> None:
+        """Compile page_copy's launches now, not on the worker's thread in the middle of a batch
+        (every copy queued behind a compile of a second or more): the reserved page 0
+        gathered into the staging buffer and scattered back, every layer and (layered) one."""
+        idx = torch.zeros(1, dtype=torch.int64, device=self.dev.device)
+        with torch.cuda.stream(self.stream):
+            self._gather_device(idx, self._staging[:1])
+            self._scatter_device(idx, self._staging[:1])
+            if self.layered:
+                self._scatter_device(idx, self._staging_rows[:1], layer=0)
+        self.stream.synchronize()
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,8 @@ launch. It moves raw bits (any element type of the pool's width).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from radix_runtime.worker.kernels._triton import tl, triton
@@ -23,7 +25,14 @@ _PROGRAM_BYTES = 32 << 10
 _BLOCK_BYTES = 8 << 10
 
 
-@triton.jit
+# the page count and the ids' address change batch to batch (a group's ids are a slice of the
+# batch's): no compile per value or alignment
+_NO_SPECIALIZE = {"do_not_specialize": ["n", "idx_ptr"]}
+if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+    _NO_SPECIALIZE["do_not_specialize_on_alignment"] = ["n", "idx_ptr"]
+
+
+@triton.jit(**_NO_SPECIALIZE)
 def _page_copy_kernel(
     table_ptr,  # [J] int64: the address of each buffer
     idx_ptr,  # [n] int64: the device page of each of the n pages
