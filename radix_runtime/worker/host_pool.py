@@ -275,6 +275,7 @@ class HostKVPool:
             t3 = time.perf_counter()
             return CopyTiming(
                 load=t3 - t2 if len(load_src) else None,
+                load_bytes=len(load_src) * self.page_bytes,
                 wait=t3 - t1,
                 issue_s=t3 - t0,
                 load_waited=load_waits,
@@ -306,6 +307,7 @@ class HostKVPool:
         after.record(compute)
         return CopyTiming(
             load=load,
+            load_bytes=len(load_src) * self.page_bytes,
             wait=(before, after),
             issue_s=time.perf_counter() - t0,
             load_waited=load_waits,
@@ -592,6 +594,7 @@ class CopyTiming:
     events (a pair: from, to) or, on the CPU, seconds."""
 
     load: tuple | float | None = None  # the loads (CUDA: on the side stream)
+    load_bytes: int = 0  # the bytes they move
     # the model's wait for the copies (CUDA: compute stream; a list: one per layer waited)
     wait: tuple | list | float | None = None
     issue_s: float = 0.0  # the host's time in `copy` (CUDA: queueing the copies)
