@@ -213,9 +213,12 @@ class HostKVPool:
     def _compile_page_copies(self) -> None:
         """Compile page_copy's launches now, not on the worker's thread in the middle of a batch
         (every copy queued behind a compile of a second or more): the reserved page 0
-        gathered into the staging buffer and scattered back, every layer and (layered) one."""
-        idx = torch.zeros(1, dtype=torch.int64, device=self.dev.device)
+        gathered into the staging buffer and scattered back, every layer and (layered) one.
+        The copy stream first waits for the compute stream: the address table and the pool's
+        zero fill were queued there (as is every kernel before the pool was made)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
         with torch.cuda.stream(self.stream):
+            idx = torch.zeros(1, dtype=torch.int64, device=self.dev.device)  # filled on this stream
             self._gather_device(idx, self._staging[:1])
             self._scatter_device(idx, self._staging[:1])
             if self.layered:

@@ -437,3 +437,20 @@ def test_page_copy_kernel_equals_the_reference(page_size, dtype, num_pages):
     page_copy_reference(copies[2:4], idx, region, gather=False)
     for b, c in zip(buffers, copies):
         assert torch.equal(b, c)
+
+
+def test_the_pool_compiles_its_page_copies_after_the_compute_streams_earlier_work():
+    """The page copies run once when the pool is made (compiled then, not mid-batch), on the
+    copy stream, reading the address table and the pool's pages queued on the compute stream:
+    the copy stream waits for the compute stream first (here: held back by a sleep)."""
+    from radix_runtime.worker.kernels._triton import HAVE_TRITON
+
+    if not HAVE_TRITON:
+        pytest.skip("needs Triton")
+    dev = KVPool(2, 16, 1, 2, 64, torch.bfloat16, torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e8))  # the compute stream busy for a few hundred ms
+    earlier = torch.cuda.Event()
+    earlier.record()
+    HostKVPool(dev, 16)
+    assert earlier.query()  # made after the compute stream's earlier work was done
