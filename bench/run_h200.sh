@@ -11,6 +11,8 @@
 #   kernels    bench/gpu_kernels.py           -> $OUT/h200_gpu_kernels.json
 #   gemv       bench/gemv_sweep.py            -> $OUT/h200_gemv_sweep.json
 #   worker     bench/gpu_worker.py            -> $OUT/h200_gpu_worker.json
+#   overlap    bench/overlap_probe.py: a 2 x 256-request decode step's attention beside its GEMMs
+#              on two streams (page size 1 and 16) -> $OUT/h200_overlap_probe.json
 #   levers     bench/decode_levers.py: batch-1 decode with KernelConfig.pdl off / on (Llama-3.1-8B
 #              bf16 / FP8 / int4, Qwen3-8B, Gemma-3-12B), the split-KV attention and the family
 #              shapes' GEMV configs -> $OUT/h200_decode_levers.json
@@ -136,6 +138,9 @@ for stage in "${stages[@]}"; do
                 && export RADIX_RUNTIME_GEMV_CONFIGS="$OUT/h200_gemv_sweep.json" ;;
         worker)
             timeout 300 python3 bench/gpu_worker.py --out "$OUT/h200_gpu_worker.json" || status=1 ;;
+        overlap)  # writes what it measured so far when the timeout stops it
+            timeout 420 python3 bench/overlap_probe.py --out "$OUT/h200_overlap_probe.json" \
+                | grep -v "^  File\|^    " | tail -80 || status=1 ;;
         levers)
             timeout 300 python3 bench/decode_levers.py --out "$OUT/h200_decode_levers.json" \
                 --models llama-3.1-8b:none,llama-3.1-8b:fp8,llama-3.1-8b:int4,qwen3-8b:none,gemma-3-12b:none \

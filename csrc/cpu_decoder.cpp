@@ -223,6 +223,266 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v, do
   return out;
 }
 
+// A small prefill chunk over its cached prefix (a chat's next turn: a few new query rows over a
+// long history), float32: query row j (at position prefix + j) attends to the sequence's keys
+// 0..prefix+j, read from the pool through their locations (no gathered copy of K/V). Two
+// passes, each split over many small work items so two threads share them evenly (3 KV heads
+// do not split over 2 threads): the scores of every (KV head, block of 16 keys) against all of
+// the head's query rows, then the softmax and value sum of every (KV head, query row). Each
+// score is the same in-order sum over the head dimension and each output the same in-order sum
+// over the keys whatever the chunk's size and the thread count: a query row's result depends
+// only on its own query and keys (the same bits in a chunk of 1 or of 20 rows).
+namespace {
+
+constexpr int64_t kKeyBlock = 16;
+
+struct ChunkArgs {
+  const float *q, *k, *v;
+  const int64_t* locs;  // pool location of each key position
+  float* out;
+  float* scores;        // [Hkv, n * G, blocks * 16]: unnormalized probabilities after pass 2
+  int64_t n, heads, kv_heads, group, d, prefix, blocks;
+  int64_t ks0, ks1, vs0, vs1;  // pool strides (location, KV head); the head dimension contiguous
+  float scale;
+  int64_t len() const { return prefix + n; }
+  int64_t stride() const { return blocks * kKeyBlock; }
+  float* score_row(int64_t g, int64_t qv) const { return scores + (g * n * group + qv) * stride(); }
+  const float* query(int64_t g, int64_t qv) const {  // qv = j * G + hh
+    return q + ((qv / group) * heads + g * group + qv % group) * d;
+  }
+};
+
+// pass 1, scalar: scores of KV head g's query rows against keys [16 b, 16 b + 16)
+void chunk_scores(const ChunkArgs& a, int64_t g, int64_t b) {
+  const int64_t l0 = b * kKeyBlock, l1 = std::min(a.len(), l0 + kKeyBlock);
+  const int64_t first_row = std::max<int64_t>(0, l0 - a.prefix);  // rows that see this block
+  for (int64_t qv = first_row * a.group; qv < a.n * a.group; ++qv) {
+    const float* qh = a.query(g, qv);
+    float* sc = a.score_row(g, qv);
+    for (int64_t l = l0; l < l1; ++l) {
+      const float* kr = a.k + a.locs[l] * a.ks0 + g * a.ks1;
+      float dot = 0.f;
+      for (int64_t j = 0; j < a.d; ++j) dot += qh[j] * kr[j];
+      sc[l] = dot * a.scale;
+    }
+  }
+}
+
+// pass 2, scalar: softmax and the value sum of query row j of KV head g
+void chunk_values(const ChunkArgs& a, int64_t g, int64_t j) {
+  const int64_t len = a.prefix + j + 1;
+  for (int64_t hh = 0; hh < a.group; ++hh) {
+    float* sc = a.score_row(g, j * a.group + hh);
+    float mx = -INFINITY;
+    for (int64_t l = 0; l < len; ++l) mx = std::max(mx, sc[l]);
+    float sum = 0.f;
+    for (int64_t l = 0; l < len; ++l) {
+      sc[l] = std::exp(sc[l] - mx);
+      sum += sc[l];
+    }
+    float* o = a.out + (j * a.heads + g * a.group + hh) * a.d;
+    for (int64_t c = 0; c < a.d; ++c) o[c] = 0.f;
+    for (int64_t l = 0; l < len; ++l) {
+      const float* vr = a.v + a.locs[l] * a.vs0 + g * a.vs1;
+      for (int64_t c = 0; c < a.d; ++c) o[c] += sc[l] * vr[c];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t c = 0; c < a.d; ++c) o[c] *= inv;
+  }
+}
+
+// pass 1 with AVX-512 (d a multiple of 16): the block's 16 keys transposed once ([d][16]), then
+// each query row's 16 scores as d broadcast FMAs (4 query rows at a time)
+__attribute__((target("avx512f"))) void chunk_scores_avx512(const ChunkArgs& a, int64_t g,
+                                                             int64_t b, float* kt) {
+  const int64_t l0 = b * kKeyBlock, live = std::min(a.len() - l0, kKeyBlock);
+  // the keys two blocks on (this thread's item after next): the pool rows are L3 / memory reads
+  // whose first touch stalled the transposition below (~half of this pass without it)
+  for (int64_t l = l0 + 2 * kKeyBlock; l < std::min(a.len(), l0 + 3 * kKeyBlock); ++l) {
+    const char* kr = reinterpret_cast<const char*>(a.k + a.locs[l] * a.ks0 + g * a.ks1);
+    for (int64_t byte = 0; byte < a.d * 4; byte += 64) _mm_prefetch(kr + byte, _MM_HINT_T0);
+  }
+  for (int64_t r = 0; r < kKeyBlock; ++r) {
+    if (r < live) {
+      const float* kr = a.k + a.locs[l0 + r] * a.ks0 + g * a.ks1;
+      for (int64_t j = 0; j < a.d; ++j) kt[j * kKeyBlock + r] = kr[j];
+    } else {
+      for (int64_t j = 0; j < a.d; ++j) kt[j * kKeyBlock + r] = 0.f;
+    }
+  }
+  const int64_t first_row = std::max<int64_t>(0, l0 - a.prefix);
+  const int64_t total = a.n * a.group;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  constexpr int64_t R = 8;  // query rows at a time: 8 independent FMA chains
+  for (int64_t qv = first_row * a.group; qv < total; qv += R) {
+    const int64_t m = std::min<int64_t>(R, total - qv);
+    const float* qs[R];
+    for (int64_t u = 0; u < R; ++u) qs[u] = a.query(g, qv + std::min(u, m - 1));
+    __m512 acc[R];
+#pragma GCC unroll 8
+    for (int64_t u = 0; u < R; ++u) acc[u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < a.d; ++j) {
+      const __m512 kv = _mm512_loadu_ps(kt + j * kKeyBlock);
+#pragma GCC unroll 8
+      for (int64_t u = 0; u < R; ++u)
+        acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qs[u][j]), kv, acc[u]);
+    }
+    for (int64_t u = 0; u < m; ++u)
+      _mm512_storeu_ps(a.score_row(g, qv + u) + l0, _mm512_mul_ps(acc[u], scale));
+  }
+}
+
+// pass 2's value sums of HN heads over CN x 16 dims (fixed counts: the accumulators stay in
+// registers), keys in order: o_u = sum_l p_u[l] v[l]
+template <int HN, int CN>
+__attribute__((target("avx512f"))) void chunk_value_sums(const float* const* sc, const float* v,
+                                                          const int64_t* locs, int64_t len,
+                                                          int64_t vs0, float* const* out,
+                                                          const float* inv) {
+  __m512 acc[HN][CN];
+#pragma GCC unroll 4
+  for (int u = 0; u < HN; ++u)
+#pragma GCC unroll 4
+    for (int c = 0; c < CN; ++c) acc[u][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < len; ++l) {
+    const float* vr = v + locs[l] * vs0;
+    if (l + 8 < len) {  // (pool rows: see chunk_scores_avx512)
+      const char* ahead = reinterpret_cast<const char*>(v + locs[l + 8] * vs0);
+#pragma GCC unroll 4
+      for (int c = 0; c < CN; ++c) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+    }
+    __m512 vv[CN];
+#pragma GCC unroll 4
+    for (int c = 0; c < CN; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+#pragma GCC unroll 4
+    for (int u = 0; u < HN; ++u) {
+      const __m512 p = _mm512_set1_ps(sc[u][l]);
+#pragma GCC unroll 4
+      for (int c = 0; c < CN; ++c) acc[u][c] = _mm512_fmadd_ps(p, vv[c], acc[u][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int u = 0; u < HN; ++u) {
+    const __m512 s = _mm512_set1_ps(inv[u]);
+#pragma GCC unroll 4
+    for (int c = 0; c < CN; ++c) _mm512_storeu_ps(out[u] + 16 * c, _mm512_mul_ps(acc[u][c], s));
+  }
+}
+
+using ValueSums = void (*)(const float* const*, const float*, const int64_t*, int64_t, int64_t,
+                           float* const*, const float*);
+
+template <int HN>
+ValueSums value_sums_for(int64_t cn) {
+  switch (cn) {
+    case 1: return chunk_value_sums<HN, 1>;
+    case 2: return chunk_value_sums<HN, 2>;
+    case 3: return chunk_value_sums<HN, 3>;
+    default: return chunk_value_sums<HN, 4>;
+  }
+}
+
+ValueSums value_sums_for(int64_t hn, int64_t cn) {
+  switch (hn) {
+    case 1: return value_sums_for<1>(cn);
+    case 2: return value_sums_for<2>(cn);
+    case 3: return value_sums_for<3>(cn);
+    default: return value_sums_for<4>(cn);
+  }
+}
+
+// pass 2 with AVX-512: the G heads' softmax in 16-lane steps, then their value sums sharing
+// each value row's loads (up to 4 heads x 64 dims of accumulators, keys in order)
+__attribute__((target("avx512f"))) void chunk_values_avx512(const ChunkArgs& a, int64_t g,
+                                                             int64_t j) {
+  const int64_t len = a.prefix + j + 1;
+  std::vector<float> inv(a.group);
+  for (int64_t hh = 0; hh < a.group; ++hh) {
+    float* sc = a.score_row(g, j * a.group + hh);
+    __m512 mxv = _mm512_set1_ps(-INFINITY);
+    for (int64_t l = 0; l < len; l += 16) {
+      const __mmask16 live = len - l >= 16 ? 0xFFFF : (__mmask16)((1u << (len - l)) - 1);
+      mxv = _mm512_mask_max_ps(mxv, live, mxv, _mm512_maskz_loadu_ps(live, sc + l));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t l = 0; l < len; l += 16) {
+      const __mmask16 live = len - l >= 16 ? 0xFFFF : (__mmask16)((1u << (len - l)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + l), m));
+      _mm512_mask_storeu_ps(sc + l, live, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+    }
+    inv[hh] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  for (int64_t h0 = 0; h0 < a.group; h0 += 4) {
+    const int64_t hn = std::min<int64_t>(4, a.group - h0);
+    for (int64_t c0 = 0; c0 < a.d; c0 += 64) {
+      const int64_t cn = std::min<int64_t>(4, (a.d - c0) / 16);
+      const float* sc[4];
+      float* o[4];
+      for (int64_t u = 0; u < hn; ++u) {
+        sc[u] = a.score_row(g, j * a.group + h0 + u);
+        o[u] = a.out + (j * a.heads + g * a.group + h0 + u) * a.d + c0;
+      }
+      value_sums_for(hn, cn)(sc, a.v + g * a.vs1 + c0, a.locs, len, a.vs0, o, inv.data() + h0);
+    }
+  }
+}
+
+}  // namespace
+
+// q [n, H, D] float32 (the chunk's query rows), k_all / v_all [P, Hkv, D] (a layer's pool),
+// locs [prefix + n] int64 (the sequence's pool locations) -> out [n, H, D] (see above)
+Tensor chunk_attention(const Tensor& q_in, const Tensor& k_all, const Tensor& v_all,
+                       const Tensor& locs_in, int64_t prefix, double scale, bool simd) {
+  TORCH_CHECK(q_in.dim() == 3 && k_all.dim() == 3 && v_all.dim() == 3,
+              "q [n, H, D], k/v [P, Hkv, D]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_all.scalar_type() == at::kFloat &&
+                  v_all.scalar_type() == at::kFloat && q_in.device().is_cpu() &&
+                  k_all.device().is_cpu() && v_all.device().is_cpu(),
+              "float32 CPU tensors");
+  TORCH_CHECK(k_all.sizes() == v_all.sizes() && k_all.size(2) == q_in.size(2) &&
+                  q_in.size(1) % k_all.size(1) == 0,
+              "k and v [P, Hkv, D] with q's D, and H a multiple of Hkv");
+  TORCH_CHECK(k_all.stride(2) == 1 && v_all.stride(2) == 1, "a contiguous head dimension");
+  TORCH_CHECK(locs_in.scalar_type() == at::kLong && locs_in.dim() == 1 && prefix >= 0 &&
+                  locs_in.size(0) == prefix + q_in.size(0),
+              "locs: int64 [prefix + n]");
+  Tensor q = q_in.contiguous(), locs = locs_in.contiguous();
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_all.size(1);
+  const int64_t* lp = locs.data_ptr<int64_t>();
+  for (int64_t l = 0; l < locs.size(0); ++l)
+    TORCH_CHECK(lp[l] >= 0 && lp[l] < k_all.size(0), "key location ", lp[l], " outside the pool");
+  Tensor out = at::empty_like(q);
+  if (n == 0) return out;
+  const int64_t group = heads / kv_heads, blocks = (prefix + n + kKeyBlock - 1) / kKeyBlock;
+  Tensor scores = at::empty({kv_heads * n * group * blocks * kKeyBlock}, q.options());
+  ChunkArgs a{q.data_ptr<float>(), k_all.data_ptr<float>(), v_all.data_ptr<float>(), lp,
+              out.data_ptr<float>(), scores.data_ptr<float>(), n, heads, kv_heads, group, d,
+              prefix, blocks, k_all.stride(0), k_all.stride(1), v_all.stride(0),
+              v_all.stride(1), static_cast<float>(scale)};
+  static const bool avx512_cpu = __builtin_cpu_supports("avx512f");
+  const bool avx512 = simd && avx512_cpu && d % 16 == 0;
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> kt(d * kKeyBlock);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (avx512)
+        chunk_scores_avx512(a, t / blocks, t % blocks, kt.data());
+      else
+        chunk_scores(a, t / blocks, t % blocks);
+    }
+  });
+  at::parallel_for(0, kv_heads * n, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (avx512)
+        chunk_values_avx512(a, t / n, t % n);
+      else
+        chunk_values(a, t / n, t % n);
+    }
+  });
+  return out;
+}
+
 class CpuDecoder {
  public:
   CpuDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
@@ -266,10 +526,11 @@ class CpuDecoder {
                                           std::optional<Tensor>>>
                      decode,
                  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t,
-                                        std::optional<Tensor>, std::optional<Tensor>, int64_t>>
+                                        std::optional<Tensor>, std::optional<Tensor>, int64_t,
+                                        int64_t>>
                      prefills) {
     // decode: (rows, span_a, span_b, kv_locs, batch, max_len, mask)
-    // prefill chunk: (start, end, span_a, span_b, kv_locs, mask, grouped)
+    // prefill chunk: (start, end, span_a, span_b, kv_locs, mask, grouped, row_prefix)
     Plan plan;
     if (decode) {
       auto& [rows, a, b, locs, batch, max_len, mask] = *decode;
@@ -279,10 +540,11 @@ class CpuDecoder {
       plan.decode_shape = {batch, max_len};
       plan.decode_mask = mask.value_or(Tensor());
     }
-    for (auto& [start, end, a, b, locs, mask, grouped] : prefills) {
+    for (auto& [start, end, a, b, locs, mask, grouped, row_prefix] : prefills) {
       Tensor m = mask.has_value() ? mask->unsqueeze(0).unsqueeze(0) : Tensor();
+      TORCH_CHECK(row_prefix < 0 || locs.has_value(), "a row-kernel chunk needs its locations");
       plan.chunks.push_back(
-          Chunk{start, end, KeySource{a, b, locs.value_or(Tensor())}, m, grouped});
+          Chunk{start, end, KeySource{a, b, locs.value_or(Tensor())}, m, grouped, row_prefix});
     }
     // float32 activations, pool and tables: the elementwise work of a layer runs as plain loops
     // over the rows (one pass each instead of ~25 small ATen calls, bitwise the same results)
@@ -320,6 +582,7 @@ class CpuDecoder {
     KeySource keys;
     Tensor mask;  // [1, 1, n, L] bool, or undefined: causal; grouped: [1, 1, G*n, L] additive
     int64_t grouped;  // G > 0: the queries run as [1, Hkv, G*n, D] (torch_native._PrefillChunk)
+    int64_t row_prefix;  // >= 0: chunk_attention over this cached prefix (float32)
   };
   struct Plan {
     bool has_decode = false;
@@ -486,6 +749,13 @@ class CpuDecoder {
       }
       for (const Chunk& c : plan.chunks) {
         const int64_t n = c.end - c.start;
+        if (c.row_prefix >= 0 && q.scalar_type() == at::kFloat &&
+            k_all.scalar_type() == at::kFloat) {  // torch_native: a small chunk over its prefix
+          out.slice(0, c.start, c.end)
+              .copy_(chunk_attention(q.slice(0, c.start, c.end), k_all, v_all, c.keys.locs,
+                                     c.row_prefix, scale_, true));
+          continue;
+        }
         Tensor q_c = q.slice(0, c.start, c.end).transpose(0, 1).unsqueeze(0);
         Tensor k_c = c.keys.gather(k_all).unsqueeze(0), v_c = c.keys.gather(v_all).unsqueeze(0);
         if (c.grouped > 0)  // a KV head's query heads one after the other
@@ -518,6 +788,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bind_pool", &CpuDecoder::bind_pool)
       .def_property("row_loops", &CpuDecoder::row_loops, &CpuDecoder::set_row_loops)
       .def("forward", &CpuDecoder::forward, py::call_guard<py::gil_scoped_release>());
+  m.def("chunk_attention", &chunk_attention, py::call_guard<py::gil_scoped_release>(),
+        py::arg("q"), py::arg("k_all"), py::arg("v_all"), py::arg("locs"), py::arg("prefix"),
+        py::arg("scale"), py::arg("simd") = true,
+        "a prefill chunk's query rows over their cached prefix, keys read through `locs`");
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
         "one query row per sequence over all its keys: q [B, H, D], k/v [B, L, Hkv, D] float32");
   radix_cpu::bind_quant_kernels(m);

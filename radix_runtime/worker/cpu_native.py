@@ -121,8 +121,17 @@ class CpuDecoder:
         dec = None
         if decode is not None:
             dec = (decode.rows, *_keys(decode), *decode.shape, decode.mask)
-        chunks = [(p.start, p.end, *_keys(p), p.attn_mask(h.dtype), p.grouped) for p in prefills]
+        chunks = [_chunk(p, h.dtype) for p in prefills]
         return self._impl.forward(h, cos, sin, self.attn._out_cache_loc, dec, chunks)
+
+
+def _chunk(p, dtype: torch.dtype) -> tuple:
+    """A prefill chunk as the extension takes it; a row-kernel chunk (torch_native's
+    `row_prefix`) reads its keys through its locations whether or not they make a span."""
+    a, b, locs = _keys(p)
+    if p.row_prefix >= 0:
+        locs = p.kv_locs
+    return p.start, p.end, a, b, locs, p.attn_mask(dtype), p.grouped, p.row_prefix
 
 
 def _keys(plan) -> tuple[int, int, torch.Tensor | None]:

@@ -154,6 +154,67 @@ def test_decode_attention_is_sdpa_of_one_query_row(batch, length, heads, kv_head
         ext.decode_attention(q.double(), k, v, 0.125)
 
 
+def _chunk_reference(q, k_all, v_all, locs, prefix, scale):
+    """Query row j over keys 0..prefix+j, in float64 (repeated KV heads)."""
+    group = q.shape[1] // k_all.shape[1]
+    k = k_all[locs].double().repeat_interleave(group, 1)
+    v = v_all[locs].double().repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    q_pos = torch.arange(q.shape[0])[:, None] + prefix
+    scores = scores.masked_fill(torch.arange(len(locs))[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).float()
+
+
+@pytest.mark.parametrize(
+    "n,prefix,heads,kv_heads,dim", [(9, 900, 9, 3, 64), (1, 0, 4, 4, 64), (20, 37, 8, 2, 32),
+                                    (5, 11, 6, 2, 48), (3, 16, 4, 1, 20)]
+)  # fmt: skip
+def test_chunk_attention_is_causal_attention_over_the_pool(n, prefix, heads, kv_heads, dim):
+    """The C++ chunk attention (a small prefill chunk over its cached prefix, keys read through
+    scattered pool locations) against a float64 reference, with SIMD (dims a multiple of 16) and
+    without; and batch-invariant: each query row's output, bitwise, whether it is alone or one
+    of the chunk's rows (the row's result depends on its query and keys only)."""
+    ext = cpu_native.load_extension()
+    g = torch.Generator().manual_seed(n * 1000 + prefix)
+    pool = 4 * (prefix + n) + 8
+    k_all = torch.randn(pool, kv_heads, dim, generator=g) * 2
+    v_all = torch.randn(pool, kv_heads, dim, generator=g)
+    locs = torch.randperm(pool, generator=g)[: prefix + n]
+    q = torch.randn(n, heads, dim, generator=g)
+    ref = _chunk_reference(q, k_all, v_all, locs, prefix, dim**-0.5)
+    for simd in (True, False):
+        ours = ext.chunk_attention(q, k_all, v_all, locs, prefix, dim**-0.5, simd=simd)
+        torch.testing.assert_close(ours, ref, atol=2e-6, rtol=2e-5)
+        for j in range(n):
+            alone = ext.chunk_attention(
+                q[j : j + 1], k_all, v_all, locs[: prefix + j + 1], prefix + j, dim**-0.5, simd
+            )
+            assert torch.equal(alone[0], ours[j])
+    with pytest.raises(RuntimeError, match="locs"):
+        ext.chunk_attention(q, k_all, v_all, locs[:-1], prefix, 0.1)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ext.chunk_attention(q, k_all, v_all, locs + pool, prefix, 0.1)
+
+
+def test_chunk_attention_is_the_same_on_one_and_two_threads():
+    """Scores split over (KV head, key block) items, values over (KV head, query row): no sum
+    crosses an item, so the bits do not depend on the thread count."""
+    ext = cpu_native.load_extension()
+    g = torch.Generator().manual_seed(5)
+    k_all, v_all = torch.randn(2000, 3, 64, generator=g), torch.randn(2000, 3, 64, generator=g)
+    locs = torch.randperm(2000, generator=g)[:909]
+    q = torch.randn(9, 9, 64, generator=g)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(ext.chunk_attention(q, k_all, v_all, locs, 900, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.fixture(scope="module")
 def wide_folder(tmp_path_factory):
     """A model wide enough that one step's loops split between two threads: prefill rows of 512

@@ -134,6 +134,9 @@ def test_small_chunks_over_a_cached_prefix_run_their_query_heads_grouped(case, m
     from radix_runtime.worker.attention import torch_native
 
     pages, qo_lens, groups = GROUPING_CASES[case]
+    # the SDPA path such chunks take where the C++ row kernel does not apply (bf16, FP8 pools,
+    # no extension): float32 here, so the kernel is turned off
+    monkeypatch.setattr(torch_native, "_chunk_rows", lambda q, k_all: None)
     calls = []
     sdpa = torch_native.F.scaled_dot_product_attention
 
@@ -165,3 +168,38 @@ def test_chunks_off_the_cpu_keep_their_per_head_calls():
     backend.plan(metadata([np.arange(10, 40)], [6]))
     (chunk,) = backend._plans[0][1]
     assert chunk.grouped == 0 and chunk.mask.shape == (6, 30)
+
+
+@pytest.mark.parametrize("case", GROUPING_CASES)
+def test_small_float32_chunks_over_a_cached_prefix_run_the_row_kernel(case, monkeypatch):
+    """With the `_cpu_decoder` extension, a small float32 chunk over a cached prefix runs
+    `chunk_attention` (its keys read through the locations, no gather, no SDPA); the others
+    keep SDPA. Both against the per-request reference."""
+    from radix_runtime.worker import cpu_native
+    from radix_runtime.worker.attention import torch_native
+
+    ext = cpu_native.load_extension()
+    if ext is None:
+        pytest.skip("the _cpu_decoder extension is not built")
+    pages, qo_lens, groups = GROUPING_CASES[case]
+    kernel_calls, sdpa_calls = [], []
+    sdpa = torch_native.F.scaled_dot_product_attention
+
+    def rows(q, k_all, v_all, locs, prefix, scale):
+        kernel_calls.append((q.shape[0], prefix))
+        return ext.chunk_attention(q, k_all, v_all, locs, prefix, scale)
+
+    monkeypatch.setattr(torch_native, "_chunk_rows", lambda q, k_all: rows)
+    monkeypatch.setattr(
+        torch_native.F,
+        "scaled_dot_product_attention",
+        lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw),
+    )
+    backend, pool, q, out = planned_forward(pages, qo_lens, seed=2)
+    torch.testing.assert_close(out, reference(q, pool, pages, qo_lens), rtol=1e-5, atol=1e-5)
+    chunks = backend._plans[0][1]
+    small = [g > 0 for g in groups]  # small and over a cached prefix (HEADS > KV_HEADS here)
+    assert [c.row_prefix >= 0 for c in chunks] == small
+    want = [(n, len(p) - n) for p, n, s in zip(pages, qo_lens, small) if s]
+    assert kernel_calls == want
+    assert len(sdpa_calls) == len(chunks) - len(want)
