@@ -225,120 +225,165 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v, do
 
 // A small prefill chunk over its cached prefix (a chat's next turn: a few new query rows over a
 // long history), float32: query row j (at position prefix + j) attends to the sequence's keys
-// 0..prefix+j, read from the pool through their locations (no gathered copy of K/V). Two
-// passes, each split over many small work items so two threads share them evenly (3 KV heads
-// do not split over 2 threads): the scores of every (KV head, block of 16 keys) against all of
-// the head's query rows, then the softmax and value sum of every (KV head, query row). Each
-// score is the same in-order sum over the head dimension and each output the same in-order sum
-// over the keys whatever the chunk's size and the thread count: a query row's result depends
-// only on its own query and keys (the same bits in a chunk of 1 or of 20 rows).
+// 0..prefix+j, read from the pool through their locations (no gathered copy of K/V). Three
+// passes, each split over small work items so two threads share them evenly (3 KV heads do not
+// split over 2 threads): the scores of every (KV head, block of 16 keys) against all of the
+// head's query rows (key-major: a key's scores for all query rows in 16-lane vectors, each one
+// an in-order sum over the head dimension), the softmax of every (KV head, 16 query rows) in
+// 16-lane steps over the keys, and the value sums of every (KV head, query row) over its keys
+// in order. No sum depends on the other rows or the thread count: a query row's result is the
+// same in a chunk of 1 or of 20 rows, on 1 or 2 threads.
 namespace {
 
 constexpr int64_t kKeyBlock = 16;
 
 struct ChunkArgs {
-  const float *q, *k, *v;
+  const float *k, *v;
   const int64_t* locs;  // pool location of each key position
+  const float* qt;      // [Hkv, D, nqp]: each KV head's query rows transposed (qv = j * G + hh)
   float* out;
-  float* scores;        // [Hkv, n * G, blocks * 16]: unnormalized probabilities after pass 2
-  int64_t n, heads, kv_heads, group, d, prefix, blocks;
+  float* scores;  // [Hkv, len, nqp]: scores, then the softmax numerators (0 past a row's keys)
+  float* inv;     // [Hkv, nqp]: 1 / the softmax denominators
+  int64_t n, heads, kv_heads, group, d, prefix, nqp;
   int64_t ks0, ks1, vs0, vs1;  // pool strides (location, KV head); the head dimension contiguous
   float scale;
   int64_t len() const { return prefix + n; }
-  int64_t stride() const { return blocks * kKeyBlock; }
-  float* score_row(int64_t g, int64_t qv) const { return scores + (g * n * group + qv) * stride(); }
-  const float* query(int64_t g, int64_t qv) const {  // qv = j * G + hh
-    return q + ((qv / group) * heads + g * group + qv % group) * d;
-  }
+  int64_t nq() const { return n * group; }
+  float* score(int64_t g, int64_t l) const { return scores + (g * len() + l) * nqp; }
+  // keys a query column sees: its row's position + 1 (0 for the padding columns)
+  int64_t keys_of(int64_t qv) const { return qv < nq() ? prefix + qv / group + 1 : 0; }
 };
 
-// pass 1, scalar: scores of KV head g's query rows against keys [16 b, 16 b + 16)
+// pass 1, scalar: key l's scores for KV head g's query columns
 void chunk_scores(const ChunkArgs& a, int64_t g, int64_t b) {
-  const int64_t l0 = b * kKeyBlock, l1 = std::min(a.len(), l0 + kKeyBlock);
-  const int64_t first_row = std::max<int64_t>(0, l0 - a.prefix);  // rows that see this block
-  for (int64_t qv = first_row * a.group; qv < a.n * a.group; ++qv) {
-    const float* qh = a.query(g, qv);
-    float* sc = a.score_row(g, qv);
-    for (int64_t l = l0; l < l1; ++l) {
-      const float* kr = a.k + a.locs[l] * a.ks0 + g * a.ks1;
+  const int64_t l1 = std::min(a.len(), (b + 1) * kKeyBlock);
+  for (int64_t l = b * kKeyBlock; l < l1; ++l) {
+    const float* kr = a.k + a.locs[l] * a.ks0 + g * a.ks1;
+    float* sc = a.score(g, l);
+    for (int64_t qv = 0; qv < a.nqp; ++qv) {
       float dot = 0.f;
-      for (int64_t j = 0; j < a.d; ++j) dot += qh[j] * kr[j];
-      sc[l] = dot * a.scale;
+      for (int64_t j = 0; j < a.d; ++j) dot += a.qt[(g * a.d + j) * a.nqp + qv] * kr[j];
+      sc[qv] = dot * a.scale;
     }
   }
 }
 
-// pass 2, scalar: softmax and the value sum of query row j of KV head g
-void chunk_values(const ChunkArgs& a, int64_t g, int64_t j) {
-  const int64_t len = a.prefix + j + 1;
-  for (int64_t hh = 0; hh < a.group; ++hh) {
-    float* sc = a.score_row(g, j * a.group + hh);
+// pass 2, scalar: the softmax of query columns [16 c, 16 c + 16) of KV head g
+void chunk_softmax(const ChunkArgs& a, int64_t g, int64_t c) {
+  for (int64_t qv = c * 16; qv < std::min(a.nqp, c * 16 + 16); ++qv) {
+    const int64_t keys = a.keys_of(qv);
     float mx = -INFINITY;
-    for (int64_t l = 0; l < len; ++l) mx = std::max(mx, sc[l]);
+    for (int64_t l = 0; l < keys; ++l) mx = std::max(mx, a.score(g, l)[qv]);
     float sum = 0.f;
-    for (int64_t l = 0; l < len; ++l) {
-      sc[l] = std::exp(sc[l] - mx);
-      sum += sc[l];
+    for (int64_t l = 0; l < a.len(); ++l) {
+      float* s = a.score(g, l) + qv;
+      *s = l < keys ? std::exp(*s - mx) : 0.f;
+      sum += *s;
     }
+    a.inv[g * a.nqp + qv] = 1.0f / sum;
+  }
+}
+
+// pass 3, scalar: the value sums of query row j of KV head g
+void chunk_values(const ChunkArgs& a, int64_t g, int64_t j) {
+  const int64_t keys = a.prefix + j + 1;
+  for (int64_t hh = 0; hh < a.group; ++hh) {
+    const int64_t qv = j * a.group + hh;
     float* o = a.out + (j * a.heads + g * a.group + hh) * a.d;
     for (int64_t c = 0; c < a.d; ++c) o[c] = 0.f;
-    for (int64_t l = 0; l < len; ++l) {
+    for (int64_t l = 0; l < keys; ++l) {
       const float* vr = a.v + a.locs[l] * a.vs0 + g * a.vs1;
-      for (int64_t c = 0; c < a.d; ++c) o[c] += sc[l] * vr[c];
+      const float p = a.score(g, l)[qv];
+      for (int64_t c = 0; c < a.d; ++c) o[c] += p * vr[c];
     }
-    const float inv = 1.0f / sum;
+    const float inv = a.inv[g * a.nqp + qv];
     for (int64_t c = 0; c < a.d; ++c) o[c] *= inv;
   }
 }
 
-// pass 1 with AVX-512 (d a multiple of 16): the block's 16 keys transposed once ([d][16]), then
-// each query row's 16 scores as d broadcast FMAs (4 query rows at a time)
+// pass 1 with AVX-512 over NC x 16 query columns (from column 16 c0): 4 keys at a time (4 x NC
+// independent FMA chains), each key element broadcast against the transposed queries
+template <int NC>
+__attribute__((target("avx512f"))) void key_scores(const ChunkArgs& a, int64_t g, int64_t l0,
+                                                   int64_t l1, int64_t c0) {
+  const float* qt = a.qt + g * a.d * a.nqp + 16 * c0;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t l = l0; l < l1; l += 4) {
+    const int64_t m = std::min<int64_t>(4, l1 - l);
+    const float* kr[4];
+    for (int64_t u = 0; u < 4; ++u)
+      kr[u] = a.k + a.locs[l + std::min(u, m - 1)] * a.ks0 + g * a.ks1;
+    __m512 acc[4][NC];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) acc[u][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < a.d; ++j) {
+      __m512 qv[NC];
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qt + j * a.nqp + 16 * c);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512 kb = _mm512_set1_ps(kr[u][j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) acc[u][c] = _mm512_fmadd_ps(kb, qv[c], acc[u][c]);
+      }
+    }
+    for (int64_t u = 0; u < m; ++u)
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c)
+        _mm512_storeu_ps(a.score(g, l + u) + 16 * (c0 + c), _mm512_mul_ps(acc[u][c], scale));
+  }
+}
+
 __attribute__((target("avx512f"))) void chunk_scores_avx512(const ChunkArgs& a, int64_t g,
-                                                             int64_t b, float* kt) {
-  const int64_t l0 = b * kKeyBlock, live = std::min(a.len() - l0, kKeyBlock);
-  // the keys two blocks on (this thread's item after next): the pool rows are L3 / memory reads
-  // whose first touch stalled the transposition below (~half of this pass without it)
+                                                             int64_t b) {
+  const int64_t l0 = b * kKeyBlock, l1 = std::min(a.len(), l0 + kKeyBlock);
+  // the keys two blocks on (this thread's item after next): pool rows read from L3 / memory
   for (int64_t l = l0 + 2 * kKeyBlock; l < std::min(a.len(), l0 + 3 * kKeyBlock); ++l) {
     const char* kr = reinterpret_cast<const char*>(a.k + a.locs[l] * a.ks0 + g * a.ks1);
     for (int64_t byte = 0; byte < a.d * 4; byte += 64) _mm_prefetch(kr + byte, _MM_HINT_T0);
   }
-  for (int64_t r = 0; r < kKeyBlock; ++r) {
-    if (r < live) {
-      const float* kr = a.k + a.locs[l0 + r] * a.ks0 + g * a.ks1;
-      for (int64_t j = 0; j < a.d; ++j) kt[j * kKeyBlock + r] = kr[j];
-    } else {
-      for (int64_t j = 0; j < a.d; ++j) kt[j * kKeyBlock + r] = 0.f;
+  const int64_t chunks = a.nqp / 16;
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    switch (std::min<int64_t>(4, chunks - c0)) {
+      case 1: key_scores<1>(a, g, l0, l1, c0); break;
+      case 2: key_scores<2>(a, g, l0, l1, c0); break;
+      case 3: key_scores<3>(a, g, l0, l1, c0); break;
+      default: key_scores<4>(a, g, l0, l1, c0); break;
     }
-  }
-  const int64_t first_row = std::max<int64_t>(0, l0 - a.prefix);
-  const int64_t total = a.n * a.group;
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  constexpr int64_t R = 8;  // query rows at a time: 8 independent FMA chains
-  for (int64_t qv = first_row * a.group; qv < total; qv += R) {
-    const int64_t m = std::min<int64_t>(R, total - qv);
-    const float* qs[R];
-    for (int64_t u = 0; u < R; ++u) qs[u] = a.query(g, qv + std::min(u, m - 1));
-    __m512 acc[R];
-#pragma GCC unroll 8
-    for (int64_t u = 0; u < R; ++u) acc[u] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < a.d; ++j) {
-      const __m512 kv = _mm512_loadu_ps(kt + j * kKeyBlock);
-#pragma GCC unroll 8
-      for (int64_t u = 0; u < R; ++u)
-        acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qs[u][j]), kv, acc[u]);
-    }
-    for (int64_t u = 0; u < m; ++u)
-      _mm512_storeu_ps(a.score_row(g, qv + u) + l0, _mm512_mul_ps(acc[u], scale));
   }
 }
 
-// pass 2's value sums of HN heads over CN x 16 dims (fixed counts: the accumulators stay in
-// registers), keys in order: o_u = sum_l p_u[l] v[l]
+// pass 2 with AVX-512: 16 query columns' softmax in one vector per key (a lane per column)
+__attribute__((target("avx512f"))) void chunk_softmax_avx512(const ChunkArgs& a, int64_t g,
+                                                              int64_t c) {
+  alignas(64) int32_t keys[16];
+  for (int64_t i = 0; i < 16; ++i) keys[i] = static_cast<int32_t>(a.keys_of(16 * c + i));
+  const __m512i kv = _mm512_load_si512(keys);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t l = 0; l < a.len(); ++l) {
+    const __mmask16 live = _mm512_cmpgt_epi32_mask(kv, _mm512_set1_epi32(static_cast<int32_t>(l)));
+    mx = _mm512_mask_max_ps(mx, live, mx, _mm512_loadu_ps(a.score(g, l) + 16 * c));
+  }
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t l = 0; l < a.len(); ++l) {
+    const __mmask16 live = _mm512_cmpgt_epi32_mask(kv, _mm512_set1_epi32(static_cast<int32_t>(l)));
+    float* s = a.score(g, l) + 16 * c;
+    const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mx)));
+    _mm512_storeu_ps(s, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  _mm512_storeu_ps(a.inv + g * a.nqp + 16 * c, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+}
+
+// pass 3's value sums of HN heads over CN x 16 dims (fixed counts: the accumulators stay in
+// registers), keys in order: o_u = inv_u * sum_l p_u[l] v[l], p_u[l] = sc[u + l * stride]
 template <int HN, int CN>
-__attribute__((target("avx512f"))) void chunk_value_sums(const float* const* sc, const float* v,
-                                                          const int64_t* locs, int64_t len,
-                                                          int64_t vs0, float* const* out,
-                                                          const float* inv) {
+__attribute__((target("avx512f"))) void chunk_value_sums(const float* sc, int64_t stride,
+                                                          const float* v, const int64_t* locs,
+                                                          int64_t len, int64_t vs0,
+                                                          float* const* out, const float* inv) {
   __m512 acc[HN][CN];
 #pragma GCC unroll 4
   for (int u = 0; u < HN; ++u)
@@ -356,7 +401,7 @@ __attribute__((target("avx512f"))) void chunk_value_sums(const float* const* sc,
     for (int c = 0; c < CN; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
 #pragma GCC unroll 4
     for (int u = 0; u < HN; ++u) {
-      const __m512 p = _mm512_set1_ps(sc[u][l]);
+      const __m512 p = _mm512_set1_ps(sc[u + l * stride]);
 #pragma GCC unroll 4
       for (int c = 0; c < CN; ++c) acc[u][c] = _mm512_fmadd_ps(p, vv[c], acc[u][c]);
     }
@@ -369,7 +414,7 @@ __attribute__((target("avx512f"))) void chunk_value_sums(const float* const* sc,
   }
 }
 
-using ValueSums = void (*)(const float* const*, const float*, const int64_t*, int64_t, int64_t,
+using ValueSums = void (*)(const float*, int64_t, const float*, const int64_t*, int64_t, int64_t,
                            float* const*, const float*);
 
 template <int HN>
@@ -391,40 +436,19 @@ ValueSums value_sums_for(int64_t hn, int64_t cn) {
   }
 }
 
-// pass 2 with AVX-512: the G heads' softmax in 16-lane steps, then their value sums sharing
-// each value row's loads (up to 4 heads x 64 dims of accumulators, keys in order)
+// pass 3 with AVX-512: row j's G heads share each value row's loads (up to 4 heads x 64 dims)
 __attribute__((target("avx512f"))) void chunk_values_avx512(const ChunkArgs& a, int64_t g,
                                                              int64_t j) {
-  const int64_t len = a.prefix + j + 1;
-  std::vector<float> inv(a.group);
-  for (int64_t hh = 0; hh < a.group; ++hh) {
-    float* sc = a.score_row(g, j * a.group + hh);
-    __m512 mxv = _mm512_set1_ps(-INFINITY);
-    for (int64_t l = 0; l < len; l += 16) {
-      const __mmask16 live = len - l >= 16 ? 0xFFFF : (__mmask16)((1u << (len - l)) - 1);
-      mxv = _mm512_mask_max_ps(mxv, live, mxv, _mm512_maskz_loadu_ps(live, sc + l));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t l = 0; l < len; l += 16) {
-      const __mmask16 live = len - l >= 16 ? 0xFFFF : (__mmask16)((1u << (len - l)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + l), m));
-      _mm512_mask_storeu_ps(sc + l, live, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
-    }
-    inv[hh] = 1.0f / _mm512_reduce_add_ps(total);
-  }
+  const int64_t keys = a.prefix + j + 1;
   for (int64_t h0 = 0; h0 < a.group; h0 += 4) {
-    const int64_t hn = std::min<int64_t>(4, a.group - h0);
+    const int64_t hn = std::min<int64_t>(4, a.group - h0), qv = j * a.group + h0;
     for (int64_t c0 = 0; c0 < a.d; c0 += 64) {
       const int64_t cn = std::min<int64_t>(4, (a.d - c0) / 16);
-      const float* sc[4];
       float* o[4];
-      for (int64_t u = 0; u < hn; ++u) {
-        sc[u] = a.score_row(g, j * a.group + h0 + u);
+      for (int64_t u = 0; u < hn; ++u)
         o[u] = a.out + (j * a.heads + g * a.group + h0 + u) * a.d + c0;
-      }
-      value_sums_for(hn, cn)(sc, a.v + g * a.vs1 + c0, a.locs, len, a.vs0, o, inv.data() + h0);
+      value_sums_for(hn, cn)(a.score(g, 0) + qv, a.nqp, a.v + g * a.vs1 + c0, a.locs, keys,
+                             a.vs0, o, a.inv + g * a.nqp + qv);
     }
   }
 }
@@ -448,28 +472,43 @@ Tensor chunk_attention(const Tensor& q_in, const Tensor& k_all, const Tensor& v_
   TORCH_CHECK(locs_in.scalar_type() == at::kLong && locs_in.dim() == 1 && prefix >= 0 &&
                   locs_in.size(0) == prefix + q_in.size(0),
               "locs: int64 [prefix + n]");
-  Tensor q = q_in.contiguous(), locs = locs_in.contiguous();
-  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_all.size(1);
+  Tensor locs = locs_in.contiguous();
+  const int64_t n = q_in.size(0), heads = q_in.size(1), d = q_in.size(2);
+  const int64_t kv_heads = k_all.size(1), group = heads / kv_heads;
   const int64_t* lp = locs.data_ptr<int64_t>();
   for (int64_t l = 0; l < locs.size(0); ++l)
     TORCH_CHECK(lp[l] >= 0 && lp[l] < k_all.size(0), "key location ", lp[l], " outside the pool");
-  Tensor out = at::empty_like(q);
+  Tensor out = at::empty({n, heads, d}, q_in.options());
   if (n == 0) return out;
-  const int64_t group = heads / kv_heads, blocks = (prefix + n + kKeyBlock - 1) / kKeyBlock;
-  Tensor scores = at::empty({kv_heads * n * group * blocks * kKeyBlock}, q.options());
-  ChunkArgs a{q.data_ptr<float>(), k_all.data_ptr<float>(), v_all.data_ptr<float>(), lp,
-              out.data_ptr<float>(), scores.data_ptr<float>(), n, heads, kv_heads, group, d,
-              prefix, blocks, k_all.stride(0), k_all.stride(1), v_all.stride(0),
-              v_all.stride(1), static_cast<float>(scale)};
+  const int64_t nq = n * group, nqp = (nq + 15) / 16 * 16, len = prefix + n;
+  // [Hkv, D, nqp]: column j * G + hh holds query head g * G + hh of row j (padding: 0)
+  Tensor qt = at::zeros({kv_heads, nqp, d}, q_in.options());
+  qt.narrow(1, 0, nq).copy_(q_in.view({n, kv_heads, group, d}).permute({1, 0, 2, 3})
+                                .reshape({kv_heads, nq, d}));
+  qt = qt.transpose(1, 2).contiguous();
+  Tensor scores = at::empty({kv_heads * len * nqp}, q_in.options());
+  Tensor inv = at::empty({kv_heads * nqp}, q_in.options());
+  ChunkArgs a{k_all.data_ptr<float>(), v_all.data_ptr<float>(), lp, qt.data_ptr<float>(),
+              out.data_ptr<float>(), scores.data_ptr<float>(), inv.data_ptr<float>(), n, heads,
+              kv_heads, group, d, prefix, nqp, k_all.stride(0), k_all.stride(1),
+              v_all.stride(0), v_all.stride(1), static_cast<float>(scale)};
   static const bool avx512_cpu = __builtin_cpu_supports("avx512f");
   const bool avx512 = simd && avx512_cpu && d % 16 == 0;
+  const int64_t blocks = (len + kKeyBlock - 1) / kKeyBlock, chunks = nqp / 16;
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> kt(d * kKeyBlock);
     for (int64_t t = t0; t < t1; ++t) {
       if (avx512)
-        chunk_scores_avx512(a, t / blocks, t % blocks, kt.data());
+        chunk_scores_avx512(a, t / blocks, t % blocks);
       else
         chunk_scores(a, t / blocks, t % blocks);
+    }
+  });
+  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (avx512)
+        chunk_softmax_avx512(a, t / chunks, t % chunks);
+      else
+        chunk_softmax(a, t / chunks, t % chunks);
     }
   });
   at::parallel_for(0, kv_heads * n, 1, [&](int64_t t0, int64_t t1) {
