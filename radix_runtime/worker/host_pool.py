@@ -23,15 +23,15 @@ were queued and no host thread ever waits for one:
   finished or aborted, its row in that step discarded). Otherwise the copies run while the
   step before computes.
 - a write (device -> host) gathers the pages on the device into the staging buffer (page
-  major) and copies each run of consecutive host pages straight into the pinned pool with one
-  async copy. The step waits for the writes when `writes_block` says it reuses their device
-  pages, and every step waits for the previous batch's writes (a write-through copy whose node
-  a later batch evicts).
+  major; one kernel for every layer's K and V, kernels/page_copy.py) and copies each run of
+  consecutive host pages straight into the pinned pool with one async copy. The step waits
+  for the writes when `writes_block` says it reuses their device pages, and every step waits
+  for the previous batch's writes (a write-through copy whose node a later batch evicts).
 - a load (host -> device) copies each run of consecutive host pages from the pinned pool into
   the staging buffer with one async copy, and scatters the staging buffer into the device pool
-  there, and the step waits for the load's event. So a load is ordered before the step that
-  reads it, and after every write queued before it (the same stream): a page loaded includes
-  the writes queued before, with no host wait.
+  there (one kernel), and the step waits for the load's event. So a load is ordered before the
+  step that reads it, and after every write queued before it (the same stream): a page loaded
+  includes the writes queued before, with no host wait.
 - the staging buffer is reused chunk after chunk and batch after batch in the stream's order;
   nothing else touches it.
 Off CUDA (the CPU worker, and CI) both pools are host tensors and there is no staging buffer:
@@ -53,6 +53,8 @@ import torch
 
 from radix_runtime.utils.runs import consecutive_runs
 from radix_runtime.worker.host_copy import memcpy_2d, memcpy_2d_available
+from radix_runtime.worker.kernels._triton import HAVE_TRITON
+from radix_runtime.worker.kernels.page_copy import buffer_table, page_copy, page_copy_reference
 from radix_runtime.worker.kv_pool import KVPool, available_cpu_memory
 
 logger = logging.getLogger(__name__)
@@ -186,6 +188,12 @@ class HostKVPool:
         self._v = [_as_bits(b) for b in d.v_buffers]
         self._buffer = _as_bits(self.buffer)
         self._staging = _as_bits(self.staging) if self.cuda else None
+        # CUDA: every layer's K and V buffer in one address table (layer 0's K, its V, layer
+        # 1's K, ...): a chunk's scatter or gather over all layers is one kernel (page_copy)
+        self._table = None
+        self.row = d.page_size * d.kv_heads * d.head_dim  # elements of one page of one buffer
+        if self.cuda and HAVE_TRITON:
+            self._table = buffer_table(self._buffers())
         # one layer of a page (its K and V): the rows of a layered load; the staging buffer
         # seen as rows of one layer-page each
         self.layer_bytes = self.page_bytes // d.num_layers
@@ -199,6 +207,23 @@ class HostKVPool:
             ]
         # runs of consecutive host pages copied, and the pages in them (docs/hicache.md)
         self.load_runs = self.load_pages = self.write_runs = self.write_pages = 0
+        if self._table is not None:
+            self._compile_page_copies()
+
+    def _compile_page_copies(self) -> None:
+        """Compile page_copy's launches now, not on the worker's thread in the middle of a batch
+        (every copy queued behind a compile of a second or more): the reserved page 0
+        gathered into the staging buffer and scattered back, every layer and (layered) one.
+        The copy stream first waits for the compute stream: the address table and the pool's
+        zero fill were queued there (as is every kernel before the pool was made)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
+        with torch.cuda.stream(self.stream):
+            idx = torch.zeros(1, dtype=torch.int64, device=self.dev.device)  # filled on this stream
+            self._gather_device(idx, self._staging[:1])
+            self._scatter_device(idx, self._staging[:1])
+            if self.layered:
+                self._scatter_device(idx, self._staging_rows[:1], layer=0)
+        self.stream.synchronize()
 
     @property
     def nbytes(self) -> int:
@@ -253,6 +278,7 @@ class HostKVPool:
             t3 = time.perf_counter()
             return CopyTiming(
                 load=t3 - t2 if len(load_src) else None,
+                load_bytes=len(load_src) * self.page_bytes,
                 wait=t3 - t1,
                 issue_s=t3 - t0,
                 load_waited=load_waits,
@@ -284,6 +310,7 @@ class HostKVPool:
         after.record(compute)
         return CopyTiming(
             load=load,
+            load_bytes=len(load_src) * self.page_bytes,
             wait=(before, after),
             issue_s=time.perf_counter() - t0,
             load_waited=load_waits,
@@ -320,17 +347,28 @@ class HostKVPool:
         return self._chunks_of(n, self.chunk_pages)
 
     def _gather_device(self, idx: torch.Tensor, out: torch.Tensor) -> None:
-        """Device pages `idx` -> `out` [len(idx), layers, 2, ...] (page major): one stack kernel
-        over the layers' gathers (GPU work is cheap)."""
-        parts = [b[idx] for i in range(self.dev.num_layers) for b in (self._k[i], self._v[i])]
-        torch.stack(parts, dim=1, out=out.view(len(idx), 2 * self.dev.num_layers, *out.shape[3:]))
+        """Device pages `idx` -> `out` [len(idx), layers, 2, ...] (page major): one kernel
+        over every layer (page_copy), else one gather per buffer."""
+        if self._table is not None:
+            page_copy(self._table, idx, out, self.row, gather=True)
+        else:
+            page_copy_reference(self._buffers(), idx, out, gather=True)
 
-    def _scatter_device(self, idx: torch.Tensor, pages: torch.Tensor) -> None:
-        """`pages` [len(idx), layers, 2, ...] -> device pages `idx`."""
-        dev = self.dev
-        for i in range(dev.num_layers):
-            self._k[i].index_copy_(0, idx, pages[:, i, 0])
-            self._v[i].index_copy_(0, idx, pages[:, i, 1])
+    def _scatter_device(
+        self, idx: torch.Tensor, pages: torch.Tensor, layer: int | None = None
+    ) -> None:
+        """`pages` [len(idx), layers, 2, ...] -> device pages `idx`: one kernel over every layer
+        (page_copy), else one index copy per buffer. `layer`: `pages` [len(idx), 2, ...] holds
+        only that layer's K and V."""
+        if self._table is not None:
+            table = self._table if layer is None else self._table[2 * layer : 2 * layer + 2]
+            page_copy(table, idx, pages, self.row, gather=False)
+        else:
+            buffers = self._buffers() if layer is None else [self._k[layer], self._v[layer]]
+            page_copy_reference(buffers, idx, pages, gather=False)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for i in range(self.dev.num_layers) for b in (self._k[i], self._v[i])]
 
     def _count(self, ids: np.ndarray, load: bool) -> tuple[np.ndarray, np.ndarray]:
         starts, lengths = consecutive_runs(ids)
@@ -362,7 +400,7 @@ class HostKVPool:
         self, src: np.ndarray, dst: np.ndarray, compute, wait: bool
     ) -> torch.cuda.Event:
         starts, lengths = self._count(dst, load=False)
-        src_t = torch.from_numpy(src.astype(np.int64)).pin_memory()
+        src_t = _pinned_ids(src)
         with torch.cuda.stream(self.stream):
             if wait:
                 self.stream.wait_stream(compute)
@@ -392,27 +430,34 @@ class HostKVPool:
         own = np.ones(len(dst), bool) if needs is None else np.isin(dst, needs)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         held_layers = None
+        # the device pages of both groups (own first) in one small copy, queued before `start`
+        # so the load's time is its copies and scatters
+        idx_all = _pinned_ids(np.concatenate([dst[own], dst[~own]]))
+        n_own = int(own.sum())
         with torch.cuda.stream(self.stream):
             if wait:
                 self.stream.wait_stream(compute)
+            idx_all = idx_all.to(self.dev.device, non_blocking=True)
+            if self.layered:
+                idx_all.record_stream(self.scatter_stream)
             start.record(self.stream)
-            if own.any():
+            if n_own:
                 if self.layered:
                     for waits, event in zip(
-                        self._layer_waits, self._load_layers(src[own], dst[own])
+                        self._layer_waits, self._load_layers(src[own], idx_all[:n_own])
                     ):
                         waits.append(event)
                 else:
-                    self._load_group(src[own], dst[own])
+                    self._load_group(src[own], idx_all[:n_own])
                     if not own.all():
                         own_end = torch.cuda.Event()
                         own_end.record(self.stream)
                         compute.wait_event(own_end)
             if not own.all():
                 if self.layered:
-                    held_layers = self._load_layers(src[~own], dst[~own])
+                    held_layers = self._load_layers(src[~own], idx_all[n_own:])
                 else:
-                    self._load_group(src[~own], dst[~own])
+                    self._load_group(src[~own], idx_all[n_own:])
             end.record(self.stream)
         if not own.all():
             self._pending.append((end, dst[~own], held_layers))
@@ -420,22 +465,18 @@ class HostKVPool:
             compute.wait_event(end)
         return start, end
 
-    def _load_group(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def _load_group(self, src: np.ndarray, idx: torch.Tensor) -> None:
         """Queue loads on the copy stream (the current stream here), chunk after chunk of the
-        staging buffer: each chunk's runs copied in, then scattered into the device pool. (A
-        second stream scattering one half of the buffer while the other fills measured no
-        faster on the H200 — the scatter is ~1 % of the copy — docs/hicache.md.)"""
+        staging buffer: each chunk's runs copied in, then scattered into the device pool (one
+        kernel for every layer). `idx`: the device pages, on the device. (A second stream
+        scattering one half of the buffer while the other fills measured no faster on the
+        H200 — the scatter is ~1 % of the copy — docs/hicache.md.)"""
         starts, lengths = self._count(src, load=True)
-        idx = (
-            torch.from_numpy(dst.astype(np.int64))
-            .pin_memory()
-            .to(self.dev.device, non_blocking=True)
-        )
         for a, b in self._chunks(len(src)):
             self._copy_runs(src, starts, lengths, a, b, load=True)
             self._scatter_device(idx[a:b], self._staging[: b - a])
 
-    def _load_layers(self, src: np.ndarray, dst: np.ndarray) -> list[torch.cuda.Event]:
+    def _load_layers(self, src: np.ndarray, idx: torch.Tensor) -> list[torch.cuda.Event]:
         """Queue loads layer by layer (the copy stream is the current stream): per layer, one
         strided copy per run of consecutive host pages (that layer's K and V of each page,
         `page_bytes` apart in the pool) into a region of the staging buffer, then that layer's
@@ -444,12 +485,6 @@ class HostKVPool:
         layer without waiting for the scatters. Returns, per layer, the event after its
         scatter."""
         starts, lengths = self._count(src, load=True)
-        idx = (
-            torch.from_numpy(dst.astype(np.int64))
-            .pin_memory()
-            .to(self.dev.device, non_blocking=True)
-        )
-        idx.record_stream(self.scatter_stream)
         rows, lb, pb = self._staging_rows, self.layer_bytes, self.page_bytes
         layers, handle = self.dev.num_layers, self.stream.cuda_stream
         base = self.buffer.data_ptr()
@@ -471,8 +506,7 @@ class HostKVPool:
                 copied.record(self.stream)
                 self.scatter_stream.wait_event(copied)
                 with torch.cuda.stream(self.scatter_stream):
-                    self._k[layer].index_copy_(0, idx[a:b], region[:, 0])
-                    self._v[layer].index_copy_(0, idx[a:b], region[:, 1])
+                    self._scatter_device(idx[a:b], region, layer)
                     scattered = torch.cuda.Event()
                     scattered.record(self.scatter_stream)
                 done.append(scattered)
@@ -548,6 +582,11 @@ class StepPages:
     written: np.ndarray
 
 
+def _pinned_ids(ids: np.ndarray) -> torch.Tensor:
+    """Page ids as a pinned int64 host tensor, ready for a non-blocking copy to `device`."""
+    return torch.from_numpy(ids.astype(np.int64)).pin_memory()
+
+
 def _touches(pages: np.ndarray, busy: np.ndarray) -> bool:
     return bool(len(busy)) and bool(np.isin(pages, busy).any())
 
@@ -558,6 +597,7 @@ class CopyTiming:
     events (a pair: from, to) or, on the CPU, seconds."""
 
     load: tuple | float | None = None  # the loads (CUDA: on the side stream)
+    load_bytes: int = 0  # the bytes they move
     # the model's wait for the copies (CUDA: compute stream; a list: one per layer waited)
     wait: tuple | list | float | None = None
     issue_s: float = 0.0  # the host's time in `copy` (CUDA: queueing the copies)

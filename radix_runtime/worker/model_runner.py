@@ -552,8 +552,14 @@ class ModelRunner:
             if not t.ready():
                 self._unread.append(t)
                 continue
-            load_s += HostKVPool.load_time(t)
+            took = HostKVPool.load_time(t)
+            load_s += took
             wait_s += HostKVPool.wait_time(t)
+            if t.load_bytes and took > 0 and logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "host load: %.1f MB in %.3f ms (%.1f GB/s)",
+                    t.load_bytes / 1e6, took * 1e3, t.load_bytes / took / 1e9,
+                )  # fmt: skip
         results = [m.ForwardReqResult() for _ in pending.reqs]
         host = pending.host or []
         used = 0

@@ -386,3 +386,71 @@ def test_a_cuda_batch_reports_which_copies_waited_and_its_host_time():
     idle = host.copy(none, none, none, none, False, busy=busy)
     assert not idle.load_waited and not idle.write_waited
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize(
+    "page_size,dtype,num_pages",
+    [
+        (1, torch.bfloat16, 700),
+        (16, torch.bfloat16, 40),
+        (16, torch.float8_e4m3fn, 40),
+        (3, torch.float32, 90),
+    ],
+)
+def test_page_copy_kernel_equals_the_reference(page_size, dtype, num_pages):
+    """kernels/page_copy.py: the one-launch gather and scatter over every buffer (and over one
+    layer's K and V: a slice of the table) move the same bits as one index op per buffer;
+    several programs per buffer (page size 1: 700 pages), pages never named stay as they were."""
+    from radix_runtime.worker.kernels._triton import HAVE_TRITON
+    from radix_runtime.worker.kernels.page_copy import buffer_table, page_copy, page_copy_reference
+
+    if not HAVE_TRITON:
+        pytest.skip("needs Triton")
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[
+        torch.empty((), dtype=dtype).element_size()
+    ]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (num_pages, page_size, 2, 64)
+    buffers = [
+        torch.randint(-100, 100, shape, generator=gen, device="cuda").to(bits) for _ in range(6)
+    ]
+    row = page_size * 2 * 64
+    table = buffer_table(buffers)
+    n = num_pages // 2
+    idx = torch.randperm(num_pages, device="cuda", generator=gen)[:n]
+    got = torch.zeros((n, 6, page_size, 2, 64), dtype=bits, device="cuda")
+    want = torch.zeros_like(got)
+    page_copy(table, idx, got, row, gather=True)
+    page_copy_reference(buffers, idx, want, gather=True)
+    assert torch.equal(got, want)
+    # a scatter of other rows into other pages
+    dst = torch.randperm(num_pages, device="cuda", generator=gen)[:n]
+    rows = torch.randint(-100, 100, got.shape, generator=gen, device="cuda").to(bits)
+    copies = [b.clone() for b in buffers]
+    page_copy(table, dst, rows, row, gather=False)
+    page_copy_reference(copies, dst, rows, gather=False)
+    for b, c in zip(buffers, copies):
+        assert torch.equal(b, c)
+    # one layer's K and V (the table's slice), from a [n, 2, ...] region
+    region = rows[:, :2].contiguous()
+    page_copy(table[2:4], idx, region, row, gather=False)
+    page_copy_reference(copies[2:4], idx, region, gather=False)
+    for b, c in zip(buffers, copies):
+        assert torch.equal(b, c)
+
+
+def test_the_pool_compiles_its_page_copies_after_the_compute_streams_earlier_work():
+    """The page copies run once when the pool is made (compiled then, not mid-batch), on the
+    copy stream, reading the address table and the pool's pages queued on the compute stream:
+    the copy stream waits for the compute stream first (here: held back by a sleep)."""
+    from radix_runtime.worker.kernels._triton import HAVE_TRITON
+
+    if not HAVE_TRITON:
+        pytest.skip("needs Triton")
+    dev = KVPool(2, 16, 1, 2, 64, torch.bfloat16, torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e8))  # the compute stream busy for a few hundred ms
+    earlier = torch.cuda.Event()
+    earlier.record()
+    HostKVPool(dev, 16)
+    assert earlier.query()  # made after the compute stream's earlier work was done

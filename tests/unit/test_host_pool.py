@@ -203,6 +203,8 @@ def test_a_batch_reports_its_load_time_and_the_steps_wait_for_its_copies():
     )  # fmt: skip
     # on the CPU the step waits for every copy: the writes and the loads
     assert 0.0 < HostKVPool.load_time(both) <= HostKVPool.wait_time(both)
+    # the bytes the loads moved (the worker's debug log of each load's throughput)
+    assert both.load_bytes == 2 * pool.page_bytes and writes.load_bytes == 0
 
 
 def test_a_batch_reports_whether_its_copies_wait_for_the_running_steps():
