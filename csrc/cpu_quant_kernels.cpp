@@ -270,6 +270,9 @@ RR_AVX512_VNNI void int8_tile_vnni_n(const uint8_t* rec, const Act& a, int64_t r
 // int4_tile_vnni_n / int8_tile_vnni_n: the same bits.
 constexpr int64_t kScratchBlock = 8 * 64 + 2 * kTile * 4;
 constexpr int kManyGroup = 8;  // quantized rows per pass over the scratch (8 acc + 8 dot + 8 w regs)
+// quantized rows per pass of the two-tile kernel (2 x 4 acc + 2 x 4 dot registers; even: both
+// passes of a two-pass row fall in one group)
+constexpr int kMany2Group = 6;
 
 template <bool kInt4>
 RR_AVX512_VNNI void unpack_tile_vnni(const uint8_t* rec, int64_t blocks, uint8_t* scratch) {
@@ -330,6 +333,73 @@ RR_AVX512_VNNI void many_rows_vnni_n(const uint8_t* scratch, const Act& a, int64
     }
   }
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+// Two tiles (32 output rows) x NR quantized rows a pass: each activation broadcast feeds both
+// tiles' `vpdpbusd` and each weight vector NR rows, with 2 x NR independent dependency chains
+// (the one-tile kernel above did one `vpdpbusd` a broadcast: the front end, not the VNNI ports,
+// bound it). Per (row, tile) the integer dot of a block is the same exact int32 and the epilogue
+// the same instructions in block order: the same bits as many_rows_vnni_n.
+template <bool kInt4, int NR>
+RR_AVX512_VNNI void many_rows2_vnni_n(const uint8_t* s0, const uint8_t* s1, const Act& a,
+                                      int64_t r0, float* out0, float* out1) {
+  __m512 acc0[NR], acc1[NR];
+  const int8_t* xr[NR];
+  const float *dxr[NR], *mdxr[NR];
+  const int32_t* sxr[NR];
+  const int64_t kp = a.blocks * kBlock;
+  for (int r = 0; r < NR; ++r) {
+    acc0[r] = _mm512_loadu_ps(out0 + r * kTile);
+    acc1[r] = _mm512_loadu_ps(out1 + r * kTile);
+    xr[r] = a.xq + (r0 + r) * kp;
+    dxr[r] = a.dx + (r0 + r) * a.blocks;
+    mdxr[r] = a.mdx + (r0 + r) * a.blocks;
+    sxr[r] = a.sx + (r0 + r) * a.blocks;
+  }
+  for (int64_t b = 0; b < a.blocks; ++b, s0 += kScratchBlock, s1 += kScratchBlock) {
+    __m512i dot0[NR], dot1[NR];
+    for (int r = 0; r < NR; ++r) {
+      // int8: the weights are stored as q + 128: start from -128 x the block's activation sum
+      dot0[r] = kInt4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * sxr[r][b]);
+      dot1[r] = dot0[r];
+    }
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w0 = _mm512_loadu_si512(s0 + 64 * j), w1 = _mm512_loadu_si512(s1 + 64 * j);
+      for (int r = 0; r < NR; ++r) {
+        const __m512i x = _mm512_set1_epi32(load_i32(xr[r] + b * kBlock + 4 * j));
+        dot0[r] = _mm512_dpbusd_epi32(dot0[r], w0, x);
+        dot1[r] = _mm512_dpbusd_epi32(dot1[r], w1, x);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(s0 + 512), d1 = _mm512_loadu_ps(s1 + 512);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 dx = _mm512_set1_ps(dxr[r][b]);
+      acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0[r]), _mm512_mul_ps(d0, dx), acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1[r]), _mm512_mul_ps(d1, dx), acc1[r]);
+      if (kInt4) {
+        const __m512 mdx = _mm512_set1_ps(mdxr[r][b]);
+        acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(s0 + 576), mdx, acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(s1 + 576), mdx, acc1[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm512_storeu_ps(out0 + r * kTile, acc0[r]);
+    _mm512_storeu_ps(out1 + r * kTile, acc1[r]);
+  }
+}
+
+template <bool kInt4>
+void many_rows2_vnni(const uint8_t* s0, const uint8_t* s1, const Act& a, int64_t r0, int nr,
+                     float* out0, float* out1) {
+  switch (nr) {
+    case 1: return many_rows2_vnni_n<kInt4, 1>(s0, s1, a, r0, out0, out1);
+    case 2: return many_rows2_vnni_n<kInt4, 2>(s0, s1, a, r0, out0, out1);
+    case 3: return many_rows2_vnni_n<kInt4, 3>(s0, s1, a, r0, out0, out1);
+    case 4: return many_rows2_vnni_n<kInt4, 4>(s0, s1, a, r0, out0, out1);
+    case 5: return many_rows2_vnni_n<kInt4, 5>(s0, s1, a, r0, out0, out1);
+    default: return many_rows2_vnni_n<kInt4, 6>(s0, s1, a, r0, out0, out1);
+  }
 }
 
 template <bool kInt4>
@@ -436,6 +506,7 @@ using QuantFn16 = void (*)(const at::BFloat16*, int64_t, int64_t, int8_t*, float
 
 using UnpackFn = void (*)(const uint8_t*, int64_t, uint8_t*);
 using ManyFn = void (*)(const uint8_t*, const Act&, int64_t, int, float*);
+using Many2Fn = void (*)(const uint8_t*, const uint8_t*, const Act&, int64_t, int, float*, float*);
 
 struct Isa {
   const char* name;
@@ -445,6 +516,7 @@ struct Isa {
   // the many-rows path (null: the tile kernels for every row count)
   UnpackFn unpack4, unpack8;
   ManyFn many4, many8;
+  Many2Fn many2_4, many2_8;  // two tiles a pass
 };
 
 const Isa kIsas[] = {
@@ -452,11 +524,12 @@ const Isa kIsas[] = {
      by_rows<int4_tile_vnni_n<1>, int4_tile_vnni_n<2>, int4_tile_vnni_n<3>, int4_tile_vnni_n<4>>,
      by_rows<int8_tile_vnni_n<1>, int8_tile_vnni_n<2>, int8_tile_vnni_n<3>, int8_tile_vnni_n<4>>,
      quantize_row_avx512<float>, quantize_row_avx512<at::BFloat16>, unpack_tile_vnni<true>,
-     unpack_tile_vnni<false>, many_rows_vnni<true>, many_rows_vnni<false>},
+     unpack_tile_vnni<false>, many_rows_vnni<true>, many_rows_vnni<false>, many_rows2_vnni<true>,
+     many_rows2_vnni<false>},
     {"avx2", int4_tile_avx2, int8_tile_avx2, quantize_row_scalar<float>,
-     quantize_row_scalar<at::BFloat16>, nullptr, nullptr, nullptr, nullptr},
+     quantize_row_scalar<at::BFloat16>, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr},
     {"scalar", int4_tile_scalar, int8_tile_scalar, quantize_row_scalar<float>,
-     quantize_row_scalar<at::BFloat16>, nullptr, nullptr, nullptr, nullptr},
+     quantize_row_scalar<at::BFloat16>, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
 bool supported(const Isa& isa) {
@@ -595,27 +668,41 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t kind, int64_t
   };
   const UnpackFn unpack = kind == kQuantInt4 ? isa->unpack4 : isa->unpack8;
   const ManyFn many = kind == kQuantInt4 ? isa->many4 : isa->many8;
+  const Many2Fn many2 = kind == kQuantInt4 ? isa->many2_4 : isa->many2_8;
   if (unpack != nullptr && q_rows >= kManyRows) {
-    // work items: (chunk of kManyChunk quantized rows, tile), chunk-major: a chunk's activations
-    // stay in cache across the tiles and its output rows are written whole (tile-major, which
-    // unpacks each tile once, measured ~1.3x slower at 512 rows: row-strided output lines)
-    const int64_t chunks = (q_rows + kManyChunk - 1) / kManyChunk;
-    at::parallel_for(0, tiles * chunks, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<uint8_t> scratch(blocks * kScratchBlock);
+    // work items: (chunk of kManyChunk quantized rows, pair of tiles), chunk-major: a chunk's
+    // activations stay in cache across the tiles and its output rows are written whole
+    // (tile-major, which unpacks each tile once, measured ~1.3x slower at 512 rows: row-strided
+    // output lines); an odd last tile goes alone through the one-tile kernel
+    const int64_t chunks = (q_rows + kManyChunk - 1) / kManyChunk, pairs = (tiles + 1) / 2;
+    at::parallel_for(0, pairs * chunks, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<uint8_t> scratch(2 * blocks * kScratchBlock);
+      uint8_t* const s0 = scratch.data();
+      uint8_t* const s1 = s0 + blocks * kScratchBlock;
       int64_t unpacked = -1;
-      alignas(64) float acc[kManyGroup * kTile];
+      alignas(64) float acc0[kManyGroup * kTile], acc1[kManyGroup * kTile];
       for (int64_t item = i0; item < i1; ++item) {
-        const int64_t t = item % tiles, c = item / tiles;
-        if (t != unpacked) {
-          unpack(w + t * blocks * record, blocks, scratch.data());
-          unpacked = t;
+        const int64_t p = item % pairs, c = item / pairs, t = 2 * p;
+        const bool two = t + 1 < tiles;
+        if (p != unpacked) {
+          unpack(w + t * blocks * record, blocks, s0);
+          if (two) unpack(w + (t + 1) * blocks * record, blocks, s1);
+          unpacked = p;
         }
         const int64_t q_end = std::min(q_rows, (c + 1) * kManyChunk);
-        for (int64_t q0 = c * kManyChunk; q0 < q_end; q0 += kManyGroup) {
-          const int nq = static_cast<int>(std::min<int64_t>(kManyGroup, q_end - q0));
-          std::fill(acc, acc + nq * kTile, 0.f);
-          many(scratch.data(), act, q0, nq, acc);
-          emit(t, q0, nq, acc);
+        const int64_t group = two ? kMany2Group : kManyGroup;
+        for (int64_t q0 = c * kManyChunk; q0 < q_end; q0 += group) {
+          const int nq = static_cast<int>(std::min<int64_t>(group, q_end - q0));
+          std::fill(acc0, acc0 + nq * kTile, 0.f);
+          if (two) {
+            std::fill(acc1, acc1 + nq * kTile, 0.f);
+            many2(s0, s1, act, q0, nq, acc0, acc1);
+            emit(t, q0, nq, acc0);
+            emit(t + 1, q0, nq, acc1);
+          } else {
+            many(s0, act, q0, nq, acc0);
+            emit(t, q0, nq, acc0);
+          }
         }
       }
     });
