@@ -495,30 +495,18 @@ Tensor chunk_attention(const Tensor& q_in, const Tensor& k_all, const Tensor& v_
   static const bool avx512_cpu = __builtin_cpu_supports("avx512f");
   const bool avx512 = simd && avx512_cpu && d % 16 == 0;
   const int64_t blocks = (len + kKeyBlock - 1) / kKeyBlock, chunks = nqp / 16;
-  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if (avx512)
-        chunk_scores_avx512(a, t / blocks, t % blocks);
-      else
-        chunk_scores(a, t / blocks, t % blocks);
-    }
-  });
-  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if (avx512)
-        chunk_softmax_avx512(a, t / chunks, t % chunks);
-      else
-        chunk_softmax(a, t / chunks, t % chunks);
-    }
-  });
-  at::parallel_for(0, kv_heads * n, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if (avx512)
-        chunk_values_avx512(a, t / n, t % n);
-      else
-        chunk_values(a, t / n, t % n);
-    }
-  });
+  // each stage over (KV head, item) tasks, items split between threads; a stage ends before the
+  // next starts
+  using Stage = void (*)(const ChunkArgs&, int64_t, int64_t);
+  auto run = [&](int64_t items, Stage simd_fn, Stage plain_fn) {
+    const Stage fn = avx512 ? simd_fn : plain_fn;
+    at::parallel_for(0, kv_heads * items, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) fn(a, t / items, t % items);
+    });
+  };
+  run(blocks, chunk_scores_avx512, chunk_scores);
+  run(chunks, chunk_softmax_avx512, chunk_softmax);
+  run(n, chunk_values_avx512, chunk_values);
   return out;
 }
 
