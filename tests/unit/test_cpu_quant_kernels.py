@@ -157,8 +157,9 @@ def test_the_env_var_forces_the_torch_twin_or_a_path():
 @pytest.mark.parametrize("kind,n,k", [("int4", 96, 128), ("int8", 100, 70), ("int4", 40, 1536)])
 @pytest.mark.parametrize("rows", [4, 64, 257])
 def test_many_rows_match_single_rows_and_every_path(kind, n, k, rows):
-    """The many-rows path (weights unpacked once per call, rows in groups of 8 and chunks of 128
-    quantized rows): the same bits as one row at a time, as the scalar path and as one thread."""
+    """The many-rows path (weights unpacked once per work item; passes of two tiles x 6 quantized
+    rows, an odd last tile (n=100, n=40) one tile x 8; chunks of 128 quantized rows): the same bits
+    as one row at a time, as the scalar path and as one thread."""
     lin, weight = layer(kind, n, k)
     x = inputs(rows, k)
     many = run(lin, x)
