@@ -188,12 +188,12 @@ class HostKVPool:
         self._v = [_as_bits(b) for b in d.v_buffers]
         self._buffer = _as_bits(self.buffer)
         self._staging = _as_bits(self.staging) if self.cuda else None
-        # CUDA: every layer's K and V buffer in one address table (layer 0's K, its V, layer
-        # 1's K, ...): a chunk's scatter or gather over all layers is one kernel (page_copy)
-        self._table = None
+        # every layer's K and V buffer, layer 0's K, its V, layer 1's K, ... (a host page's
+        # order); on CUDA their address table: a chunk's scatter or gather over all layers is
+        # one kernel (page_copy)
+        self._kv = [b for i in range(d.num_layers) for b in (self._k[i], self._v[i])]
+        self._table = buffer_table(self._kv) if self.cuda and HAVE_TRITON else None
         self.row = d.page_size * d.kv_heads * d.head_dim  # elements of one page of one buffer
-        if self.cuda and HAVE_TRITON:
-            self._table = buffer_table(self._buffers())
         # one layer of a page (its K and V): the rows of a layered load; the staging buffer
         # seen as rows of one layer-page each
         self.layer_bytes = self.page_bytes // d.num_layers
@@ -202,9 +202,7 @@ class HostKVPool:
         if not self.cuda:  # numpy views of both pools: its fancy indexing copies whole rows
             flat = (num_pages, 2 * d.num_layers, *page[2:])
             self._np_pool = self._buffer.numpy().reshape(flat)
-            self._np_slots = [
-                b.numpy() for i in range(d.num_layers) for b in (self._k[i], self._v[i])
-            ]
+            self._np_slots = [b.numpy() for b in self._kv]
         # runs of consecutive host pages copied, and the pages in them (docs/hicache.md)
         self.load_runs = self.load_pages = self.write_runs = self.write_pages = 0
         if self._table is not None:
@@ -352,7 +350,7 @@ class HostKVPool:
         if self._table is not None:
             page_copy(self._table, idx, out, self.row, gather=True)
         else:
-            page_copy_reference(self._buffers(), idx, out, gather=True)
+            page_copy_reference(self._kv, idx, out, gather=True)
 
     def _scatter_device(
         self, idx: torch.Tensor, pages: torch.Tensor, layer: int | None = None
@@ -360,15 +358,11 @@ class HostKVPool:
         """`pages` [len(idx), layers, 2, ...] -> device pages `idx`: one kernel over every layer
         (page_copy), else one index copy per buffer. `layer`: `pages` [len(idx), 2, ...] holds
         only that layer's K and V."""
+        which = slice(None) if layer is None else slice(2 * layer, 2 * layer + 2)
         if self._table is not None:
-            table = self._table if layer is None else self._table[2 * layer : 2 * layer + 2]
-            page_copy(table, idx, pages, self.row, gather=False)
+            page_copy(self._table[which], idx, pages, self.row, gather=False)
         else:
-            buffers = self._buffers() if layer is None else [self._k[layer], self._v[layer]]
-            page_copy_reference(buffers, idx, pages, gather=False)
-
-    def _buffers(self) -> list[torch.Tensor]:
-        return [b for i in range(self.dev.num_layers) for b in (self._k[i], self._v[i])]
+            page_copy_reference(self._kv[which], idx, pages, gather=False)
 
     def _count(self, ids: np.ndarray, load: bool) -> tuple[np.ndarray, np.ndarray]:
         starts, lengths = consecutive_runs(ids)
@@ -583,7 +577,7 @@ class StepPages:
 
 
 def _pinned_ids(ids: np.ndarray) -> torch.Tensor:
-    """Page ids as a pinned int64 host tensor, ready for a non-blocking copy to `device`."""
+    """Page ids as a pinned int64 host tensor, ready for a non-blocking copy to the device."""
     return torch.from_numpy(ids.astype(np.int64)).pin_memory()
 
 
