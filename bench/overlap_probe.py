@@ -55,25 +55,28 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 from bench.ceilings import copy_TBps, cuda_time_ms, matmul_TFLOPs  # noqa: E402
 from bench.common import provenance  # noqa: E402
+from radix_runtime.model_source import MODEL_CONFIG_DIR  # noqa: E402
 
-# Llama-3.1-8B
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+# the shape: the runtime's own Llama-3.1-8B config (radix_runtime/worker/model_configs)
+_CFG = json.loads(Path(MODEL_CONFIG_DIR, "llama-3.1-8b.json").read_text())
+HIDDEN, INTER = _CFG["hidden_size"], _CFG["intermediate_size"]
+HEADS, KV_HEADS = _CFG["num_attention_heads"], _CFG["num_key_value_heads"]
+HEAD_DIM = HIDDEN // HEADS
 Q_SIZE, KV_SIZE = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-MODEL_LAYERS = 32
+MODEL_LAYERS = _CFG["num_hidden_layers"]
+# one layer's four projections: qkv, o, gate_up, down
+LAYER_WEIGHTS = (
+    HIDDEN * (Q_SIZE + 2 * KV_SIZE) + Q_SIZE * HIDDEN + HIDDEN * 2 * INTER + INTER * HIDDEN
+)
 
 
 def layer_gemm_flops(rows: int) -> float:
     """2 FLOPs per weight per row over one layer's four projections."""
-    weights = (
-        HIDDEN * (Q_SIZE + 2 * KV_SIZE) + Q_SIZE * HIDDEN + HIDDEN * 2 * INTER + INTER * HIDDEN
-    )
-    return 2.0 * rows * weights
+    return 2.0 * rows * LAYER_WEIGHTS
 
 
 def layer_weight_bytes() -> int:
-    return 2 * (
-        HIDDEN * (Q_SIZE + 2 * KV_SIZE) + Q_SIZE * HIDDEN + HIDDEN * 2 * INTER + INTER * HIDDEN
-    )
+    return 2 * LAYER_WEIGHTS  # bf16
 
 
 def kv_layout(bs: int, ctx: int, page_size: int) -> tuple[list[int], list[int], int]:
