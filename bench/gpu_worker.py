@@ -231,25 +231,29 @@ class Bench:
         return wall_time_ms(lambda: self.runner._prepare([req]), 5, iters)
 
 
+def profiled(fn, steps: int, cpu: bool = False):
+    """`steps` calls of fn under torch.profiler (CUDA activity; `cpu`: CPU activity too), until
+    the device is done: the profile (warm fn up first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] if cpu else []
+    with profile(activities=[*activities, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
 def kernel_profile(fn, steps: int, top: int = 14, trace: str | None = None) -> dict:
     """GPU kernels of `steps` calls of fn (torch.profiler, CUDA activity only; with `trace`, CPU
     activity too, written there as a Chrome trace): the time per call by kernel name, largest
     first, the time per phase of the step (bench/kernel_phases.py), plus totals."""
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     torch.cuda.synchronize()
     if trace:  # a profile of its own: CPU events would count their kernels' time again below
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
         Path(trace).parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(trace)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
+        profiled(fn, steps, cpu=True).export_chrome_trace(trace)
+    prof = profiled(fn, steps)
     kernels = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)

@@ -58,7 +58,12 @@ if __package__ in (None, ""):
 
 from bench.ceilings import cuda_time_ms
 from bench.common import provenance, write_json
-from bench.gpu_worker import Bench, read_bandwidth_TBps, weight_bytes_per_decode_step
+from bench.gpu_worker import (
+    Bench,
+    profiled,
+    read_bandwidth_TBps,
+    weight_bytes_per_decode_step,
+)
 from radix_runtime.config import ServerArgs
 from radix_runtime.worker.kv_pool import KVPool
 from radix_runtime.worker.model_runner import ModelRunner
@@ -160,14 +165,9 @@ def kernel_timeline(fn, steps: int = 5, roles: tuple[str, ...] = ("qkv", "o", "g
     import json
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profiled(fn, steps)
     with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as g:
