@@ -51,32 +51,34 @@ class _DecodeGroup:
 
 
 @functools.cache
-def _decode_row_loop():
-    """The `_cpu_decoder` extension's decode_attention, or None when it is not built."""
+def _extension():
+    """The `_cpu_decoder` extension, or None when it is not built."""
     from radix_runtime.worker import cpu_native  # (it imports this module)
 
-    ext = cpu_native.load_extension()
-    return ext.decode_attention if ext is not None else None
+    return cpu_native.load_extension()
+
+
+def _cpu_kernels(q: torch.Tensor, k_all: torch.Tensor):
+    """The extension when its attention kernels apply (float32 on the CPU), else None."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_all.dtype != torch.float32:
+        return None
+    return _extension()
 
 
 def _row_attention(q: torch.Tensor, k_all: torch.Tensor):
     """The C++ row loop a decode step's attention runs as (float32 on the CPU, with the
     `_cpu_decoder` extension built; ATen's flash SDPA costs ~30-55 us a layer for one query),
     else None."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_all.dtype != torch.float32:
-        return None
-    return _decode_row_loop()
+    ext = _cpu_kernels(q, k_all)
+    return ext.decode_attention if ext is not None else None
 
 
 def _chunk_rows(q: torch.Tensor, k_all: torch.Tensor):
     """The C++ kernel a small chunk over a cached prefix runs as (float32 on the CPU, with the
     `_cpu_decoder` extension built: ~3x less time than the flash SDPA over a gathered copy of
     the keys for 9 rows over ~900 keys), else None."""
-    if _row_attention(q, k_all) is None:
-        return None
-    from radix_runtime.worker import cpu_native
-
-    return cpu_native.load_extension().chunk_attention
+    ext = _cpu_kernels(q, k_all)
+    return ext.chunk_attention if ext is not None else None
 
 
 # a prefill chunk with a mask whose query heads, stacked per KV head, make at most this many rows
