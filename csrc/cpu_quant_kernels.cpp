@@ -43,10 +43,11 @@ constexpr int64_t kInt8Record = 8 * 64 + 32;
 // the hardware prefetcher alone left one thread's stream at ~5 GB/s of its ~20 GB/s (8 records
 // ahead: ~13 GB/s, 16: ~15 GB/s of a ~16 GB/s sum on gate/up 3072x576, one thread).
 constexpr int64_t kPrefetchRecords = 16;
-// the many-rows path from this many quantized rows (rows x passes) on; work items of
-// kManyChunk quantized rows of one tile (even: a row's passes stay in one group)
+// the many-rows path from this many quantized rows (rows x passes) on; work items of a chunk of
+// at most kManyChunk quantized rows and a pair of tiles (a call's chunks of equal size, a multiple
+// of kMany2Group below: every pass of the two-tile kernel is full, the threads' shares even)
 constexpr int64_t kManyRows = 8;
-constexpr int64_t kManyChunk = 128;
+constexpr int64_t kManyChunk = 504;
 constexpr int kRowGroup = 4;  // quantized rows per pass over a tile's weights (registers; even:
                               // both passes of a two-pass row fall in one group)
 
@@ -340,17 +341,26 @@ RR_AVX512_VNNI void many_rows_vnni_n(const uint8_t* scratch, const Act& a, int64
 // (the one-tile kernel above did one `vpdpbusd` a broadcast: the front end, not the VNNI ports,
 // bound it). Per (row, tile) the integer dot of a block is the same exact int32 and the epilogue
 // the same instructions in block order: the same bits as many_rows_vnni_n.
+// Where a two-tile pass of a two-pass call writes its rows' results itself: the two tiles' 32
+// float32 outputs of row 0 (of quantized rows r0, r0 + 1) and the row stride; `bias` (or null) at
+// the same columns.
+struct RowsOut {
+  float* y;
+  int64_t stride;
+  const float* bias;
+};
+
 template <bool kInt4, int NR>
 RR_AVX512_VNNI void many_rows2_vnni_n(const uint8_t* s0, const uint8_t* s1, const Act& a,
-                                      int64_t r0, float* out0, float* out1) {
+                                      int64_t r0, float* out0, float* out1, const RowsOut* rows) {
   __m512 acc0[NR], acc1[NR];
   const int8_t* xr[NR];
   const float *dxr[NR], *mdxr[NR];
   const int32_t* sxr[NR];
   const int64_t kp = a.blocks * kBlock;
   for (int r = 0; r < NR; ++r) {
-    acc0[r] = _mm512_loadu_ps(out0 + r * kTile);
-    acc1[r] = _mm512_loadu_ps(out1 + r * kTile);
+    acc0[r] = _mm512_setzero_ps();
+    acc1[r] = _mm512_setzero_ps();
     xr[r] = a.xq + (r0 + r) * kp;
     dxr[r] = a.dx + (r0 + r) * a.blocks;
     mdxr[r] = a.mdx + (r0 + r) * a.blocks;
@@ -383,22 +393,40 @@ RR_AVX512_VNNI void many_rows2_vnni_n(const uint8_t* s0, const uint8_t* s1, cons
       }
     }
   }
+  if (rows != nullptr) {
+    // the emit of quant_linear for a two-pass row (its passes added in pass order, then the bias),
+    // on 16 lanes: the same float additions, the same bits
+    for (int r = 0; r + 1 < NR; r += 2) {
+      float* o = rows->y + (r / 2) * rows->stride;
+      __m512 v0 = _mm512_add_ps(acc0[r], acc0[r + 1]), v1 = _mm512_add_ps(acc1[r], acc1[r + 1]);
+      if (rows->bias != nullptr) {
+        v0 = _mm512_add_ps(v0, _mm512_loadu_ps(rows->bias));
+        v1 = _mm512_add_ps(v1, _mm512_loadu_ps(rows->bias + kTile));
+      }
+      _mm512_storeu_ps(o, v0);
+      _mm512_storeu_ps(o + kTile, v1);
+    }
+    return;
+  }
   for (int r = 0; r < NR; ++r) {
     _mm512_storeu_ps(out0 + r * kTile, acc0[r]);
     _mm512_storeu_ps(out1 + r * kTile, acc1[r]);
   }
 }
 
+// nr quantized rows from r0 against two unpacked tiles: their sums into out0 / out1 (acc[qr * 16
+// + i], as many_rows_vnni), or with `rows` (an even nr of a two-pass call) the rows' results
+// straight into y
 template <bool kInt4>
 void many_rows2_vnni(const uint8_t* s0, const uint8_t* s1, const Act& a, int64_t r0, int nr,
-                     float* out0, float* out1) {
+                     float* out0, float* out1, const RowsOut* rows) {
   switch (nr) {
-    case 1: return many_rows2_vnni_n<kInt4, 1>(s0, s1, a, r0, out0, out1);
-    case 2: return many_rows2_vnni_n<kInt4, 2>(s0, s1, a, r0, out0, out1);
-    case 3: return many_rows2_vnni_n<kInt4, 3>(s0, s1, a, r0, out0, out1);
-    case 4: return many_rows2_vnni_n<kInt4, 4>(s0, s1, a, r0, out0, out1);
-    case 5: return many_rows2_vnni_n<kInt4, 5>(s0, s1, a, r0, out0, out1);
-    default: return many_rows2_vnni_n<kInt4, 6>(s0, s1, a, r0, out0, out1);
+    case 1: return many_rows2_vnni_n<kInt4, 1>(s0, s1, a, r0, out0, out1, rows);
+    case 2: return many_rows2_vnni_n<kInt4, 2>(s0, s1, a, r0, out0, out1, rows);
+    case 3: return many_rows2_vnni_n<kInt4, 3>(s0, s1, a, r0, out0, out1, rows);
+    case 4: return many_rows2_vnni_n<kInt4, 4>(s0, s1, a, r0, out0, out1, rows);
+    case 5: return many_rows2_vnni_n<kInt4, 5>(s0, s1, a, r0, out0, out1, rows);
+    default: return many_rows2_vnni_n<kInt4, 6>(s0, s1, a, r0, out0, out1, rows);
   }
 }
 
@@ -506,7 +534,8 @@ using QuantFn16 = void (*)(const at::BFloat16*, int64_t, int64_t, int8_t*, float
 
 using UnpackFn = void (*)(const uint8_t*, int64_t, uint8_t*);
 using ManyFn = void (*)(const uint8_t*, const Act&, int64_t, int, float*);
-using Many2Fn = void (*)(const uint8_t*, const uint8_t*, const Act&, int64_t, int, float*, float*);
+using Many2Fn = void (*)(const uint8_t*, const uint8_t*, const Act&, int64_t, int, float*, float*,
+                         const RowsOut*);
 
 struct Isa {
   const char* name;
@@ -670,11 +699,15 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t kind, int64_t
   const ManyFn many = kind == kQuantInt4 ? isa->many4 : isa->many8;
   const Many2Fn many2 = kind == kQuantInt4 ? isa->many2_4 : isa->many2_8;
   if (unpack != nullptr && q_rows >= kManyRows) {
-    // work items: (chunk of kManyChunk quantized rows, pair of tiles), chunk-major: a chunk's
-    // activations stay in cache across the tiles and its output rows are written whole
-    // (tile-major, which unpacks each tile once, measured ~1.3x slower at 512 rows: row-strided
-    // output lines); an odd last tile goes alone through the one-tile kernel
+    // work items: (chunk of quantized rows, pair of tiles), chunk-major: a chunk's activations
+    // stay in cache across the tiles and its output rows are written whole (tile-major, which
+    // unpacks each tile once, measured ~1.3x slower at 512 rows: row-strided output lines); an
+    // odd last tile goes alone through the one-tile kernel
     const int64_t chunks = (q_rows + kManyChunk - 1) / kManyChunk, pairs = (tiles + 1) / 2;
+    const int64_t per_chunk = (q_rows + chunks - 1) / chunks;
+    const int64_t chunk = (per_chunk + kMany2Group - 1) / kMany2Group * kMany2Group;
+    // a two-pass float32 call's full pairs of tiles write their rows' results from the kernel
+    const bool direct = y_f != nullptr && act_passes == 2;
     at::parallel_for(0, pairs * chunks, 1, [&](int64_t i0, int64_t i1) {
       std::vector<uint8_t> scratch(2 * blocks * kScratchBlock);
       uint8_t* const s0 = scratch.data();
@@ -689,17 +722,21 @@ Tensor quant_linear(const Tensor& x, const Tensor& packed, int64_t kind, int64_t
           if (two) unpack(w + (t + 1) * blocks * record, blocks, s1);
           unpacked = p;
         }
-        const int64_t q_end = std::min(q_rows, (c + 1) * kManyChunk);
+        const int64_t q_end = std::min(q_rows, (c + 1) * chunk);
         const int64_t group = two ? kMany2Group : kManyGroup;
-        for (int64_t q0 = c * kManyChunk; q0 < q_end; q0 += group) {
+        const bool pair_direct = direct && two && (t + 2) * kTile <= out_features;
+        for (int64_t q0 = c * chunk; q0 < q_end; q0 += group) {
           const int nq = static_cast<int>(std::min<int64_t>(group, q_end - q0));
-          std::fill(acc0, acc0 + nq * kTile, 0.f);
-          if (two) {
-            std::fill(acc1, acc1 + nq * kTile, 0.f);
-            many2(s0, s1, act, q0, nq, acc0, acc1);
+          if (pair_direct) {
+            const RowsOut out{y_f + (q0 / 2) * out_features + t * kTile, out_features,
+                              bias_p ? bias_p + t * kTile : nullptr};
+            many2(s0, s1, act, q0, nq, nullptr, nullptr, &out);
+          } else if (two) {
+            many2(s0, s1, act, q0, nq, acc0, acc1, nullptr);
             emit(t, q0, nq, acc0);
             emit(t + 1, q0, nq, acc1);
           } else {
+            std::fill(acc0, acc0 + nq * kTile, 0.f);
             many(s0, act, q0, nq, acc0);
             emit(t, q0, nq, acc0);
           }
