@@ -49,6 +49,8 @@
 #              about 8 minutes) -> $OUT/h200_hicache_closed_loop.json
 #   hicache_poisson  the same workload with Poisson arrivals (6 turns a second): write_through
 #              and the unrestricted pool (about 3 minutes) -> $OUT/h200_hicache_poisson.json
+#   hicache_poisson_all  the Poisson workload with every server: device-only, cache off,
+#              write_through, unrestricted (about 6 minutes) -> $OUT/h200_hicache_poisson_all.json
 #   multiturn  bench/multi_turn_chat.py (issue 5's H200 workload) -> $OUT/h200_multi_turn.{json,png}
 #   multiturn_mixed  the same with --enable-mixed-chunk -> $OUT/h200_multi_turn_mixed.{json,png}
 #   multiturn_FLAGS  the same with extra server flags from $MT_FLAGS -> $OUT/h200_multi_turn_$MT_NAME.*
@@ -179,10 +181,13 @@ for stage in "${stages[@]}"; do
         host_copy)
             timeout 300 python3 bench/host_copy.py --pages 4096 \
                 --out "$OUT/h200_host_copy.json" || status=1 ;;
-        hicache|hicache_poisson)
+        hicache|hicache_poisson|hicache_poisson_all)
             if [ "$stage" = hicache ]; then
                 more=(--hicache-policies write_through,write_back --compare-no-cache)
                 name=closed_loop
+            elif [ "$stage" = hicache_poisson_all ]; then
+                more=(--request-rate 6 --hicache-policies write_through --compare-no-cache)
+                name=poisson_all
             else
                 more=(--request-rate 6 --hicache-policies write_through --skip-device-only)
                 name=poisson
