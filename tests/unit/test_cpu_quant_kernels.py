@@ -157,12 +157,12 @@ def test_the_env_var_forces_the_torch_twin_or_a_path():
 @pytest.mark.parametrize(
     "kind,n,k", [("int4", 96, 128), ("int8", 100, 70), ("int4", 40, 1536), ("int4", 88, 64)]
 )
-@pytest.mark.parametrize("rows", [4, 64, 257])
+@pytest.mark.parametrize("rows", [4, 64, 257, 600])
 def test_many_rows_match_single_rows_and_every_path(kind, n, k, rows):
     """The many-rows path (weights unpacked once per work item; passes of two tiles x 6 quantized
-    rows, an odd last tile (n=100, n=40) one tile x 8; equal chunks of at most 504 quantized rows:
-    257 rows are two of 258): the same bits as one row at a time, as the scalar path and as one
-    thread. A two-pass float32 call's full pairs of tiles write y from the kernel; a pair with a
+    rows, an odd last tile (n=100, n=40) one tile x 8; equal chunks of at most 1020 quantized
+    rows: 600 rows are two of 600): the same bits as one row at a time, as the scalar path and as
+    one thread. A two-pass float32 call's full pairs of tiles write y from the kernel; a pair with a
     partial tile (n=88: 16 + 8 columns), a one-pass call and bfloat16 output go through the emit."""
     lin, weight = layer(kind, n, k)
     x = inputs(rows, k)
