@@ -129,10 +129,10 @@ def test_loads_for_later_steps_do_not_hold_this_step_and_the_step_reading_them_w
               needs=np.array([5], np.int32))  # fmt: skip
     own = torch.cuda.Event()
     own.record()  # after the compute stream's wait for page 5's load (not page 7's)
-    assert [d.tolist() for _, d, _ in host._pending] == [[8], [7]]
+    assert [d.tolist() for _, d in host._pending] == [[8], [7]]
     assert host.wait_pending(StepPages(read=np.array([1, 2], np.int32), written=none)) is None
     waited = host.wait_pending(StepPages(read=np.array([3], np.int32), written=np.array([8])))
-    assert waited is not None and [d.tolist() for _, d, _ in host._pending] == [[7]]
+    assert waited is not None and [d.tolist() for _, d in host._pending] == [[7]]
     dev.k_buffers[0][8].add_(1)  # the step writing page 8 runs after its load
     torch.cuda.synchronize()
     assert own.query() and torch.all(dev.k_buffers[0][5] == 1)
