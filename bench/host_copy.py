@@ -14,9 +14,6 @@ every page on its own), the device pages a random permutation. Per run length, t
   the tier's loads are judged against; CPU: a host memcpy);
 - `load` / `write`: `HostKVPool.copy` (page-major pool, staging buffer, one copy per run on
   CUDA), until the device is done;
-- `layered_load` (CUDA): the same load layer by layer (`HostKVPool(layered=True)`, the
-  server's `--hicache-load layer`: per layer one strided copy per run, scattered on a second
-  stream), until the device is done;
 - `previous_load` / `previous_write`: the path the tier had before (a layer-major pool
   [layers, 2, pages, ...]; a load gathers the pages on the host with index_select over the
   pages' dim into a freshly allocated pinned tensor, copies it, scatters on the device; a
@@ -106,10 +103,9 @@ def elapsed_s(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
-def batch_ops(pool, previous, src, dst, handles, plain, layered=None) -> dict:
+def batch_ops(pool, previous, src, dst, handles, plain) -> dict:
     """name -> the call that queues one batch's copies that way (`handles`: op -> the list its
-    load timings go to; `layered`: a layered pool and the list its load timings go to;
-    `previous`: None leaves its ops out)."""
+    load timings go to; `previous`: None leaves its ops out)."""
     none = np.zeros(0, np.int32)
     plain_src, plain_dst = plain
     ops = {
@@ -120,14 +116,6 @@ def batch_ops(pool, previous, src, dst, handles, plain, layered=None) -> dict:
     if previous is not None:
         ops["previous_load"] = lambda: previous.load(src, dst)
         ops["previous_write"] = lambda: previous.write(dst, src)
-    if layered is not None:
-        lpool, lhandles = layered
-
-        def layered_load():
-            lhandles.append(lpool.copy(none, none, src, dst, False))
-            lpool.flush_layer_waits()  # the compute stream waits (a step would, per layer)
-
-        ops["layered_load"] = layered_load
     return ops
 
 
@@ -159,11 +147,6 @@ def main(argv=None) -> int:
     want_previous = wanted is None or bool({"previous_load", "previous_write"} & wanted)
     pool = HostKVPool(dev, host_pages)
     previous = PreviousPath(dev, host_pages) if want_previous else None
-    want_layered = wanted is None or "layered_load" in wanted
-    lpool = HostKVPool(dev, host_pages, layered=True) if cuda and want_layered else None
-    if lpool is not None and not lpool.layered:
-        print("no cudaMemcpy2DAsync: no layered_load")
-        lpool = None
     nbytes = pages * pool.page_bytes
 
     def sync():
@@ -178,9 +161,7 @@ def main(argv=None) -> int:
         src = host_ids(pages, run, host_pages, rng)
         dst = (1 + rng.permutation(pages)).astype(np.int32)
         handles: dict = {"load": []}
-        lhandles: list = []
-        ops = batch_ops(pool, previous, src, dst, handles, (plain_src, plain_dst),
-                        (lpool, lhandles) if lpool is not None else None)  # fmt: skip
+        ops = batch_ops(pool, previous, src, dst, handles, (plain_src, plain_dst))
         if wanted is not None:
             ops = {k: f for k, f in ops.items() if k == "copy" or k in wanted}
         for fn in ops.values():  # warm-up (pinned allocations, kernels)
@@ -198,9 +179,6 @@ def main(argv=None) -> int:
             if cuda and hs:
                 row[f"{name}_event_s"] = min(HostKVPool.load_time(h) for h in hs)
                 row[f"{name}_event_over_copy"] = seconds["copy"] / row[f"{name}_event_s"]
-        if lhandles:
-            row["layered_load_event_s"] = min(HostKVPool.load_time(h) for h in lhandles)
-            row["layered_load_event_over_copy"] = seconds["copy"] / row["layered_load_event_s"]
         row["runs"] = int(-(-pages // run))
         results[f"run_{run}"] = row
         print(

@@ -74,9 +74,6 @@ class ServerArgs:
     hicache_write_policy: str = "write_through"  # write_through | write_back
     # arrival: a request's host-tier hit is loaded back when it arrives, not when it is admitted
     hicache_prefetch: str = "arrival"  # arrival | off
-    # step: a step waits for its whole load first; layer: each layer's attention waits for that
-    # layer's pages only (measured slower on the H200: docs/hicache.md)
-    hicache_load: str = "step"  # step | layer
     # worker
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
@@ -216,8 +213,6 @@ class ServerArgs:
             raise ValueError("--hicache-write-policy must be write_through or write_back")
         if self.hicache_prefetch not in ("arrival", "off"):
             raise ValueError("--hicache-prefetch must be arrival or off")
-        if self.hicache_load not in ("step", "layer"):
-            raise ValueError("--hicache-load must be step or layer")
         if self.quantization not in _CHOICES["quantization"]:
             raise ValueError(f"unknown --quantization {self.quantization!r}")
         if self.kv_cache_dtype not in _CHOICES["kv_cache_dtype"]:
@@ -388,10 +383,6 @@ _HELP = {
     "hicache_prefetch": "arrival: load a request's host-tier hit back as soon as the scheduler "
     "reads the request (also while a step runs), so the copy runs before the request's first "
     "step; off: load it with the request's first prefill chunk (docs/hicache.md)",
-    "hicache_load": "step: a step waits for its whole load from the host tier before its first "
-    "layer; layer: a CUDA load is copied layer by layer (strided copies) and each layer's "
-    "attention waits for that layer's pages only (the step then runs without a prefill CUDA "
-    "graph; measured slower on the H200, docs/hicache.md)",
     "quantization": "quantize an unquantized checkpoint at load: fp8 = FP8 (e4m3) weights with "
     "per-output-channel scales and FP8 activations with per-token dynamic scales "
     "(docs/quantization.md); int4 = round the weights to the int4 grid (groups of 128): packed "
@@ -417,7 +408,6 @@ _CHOICES = {
     "radix_tree_impl": ["auto", "cpp", "python"],
     "hicache_write_policy": ["write_through", "write_back"],
     "hicache_prefetch": ["arrival", "off"],
-    "hicache_load": ["step", "layer"],
     "tool_call_parser": ["auto", "hermes", "llama3"],
     "router_policy": list(ROUTER_POLICIES),
     "cache_isolation": ["none", "api-key"],

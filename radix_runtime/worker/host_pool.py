@@ -52,7 +52,6 @@ import numpy as np
 import torch
 
 from radix_runtime.utils.runs import consecutive_runs
-from radix_runtime.worker.host_copy import memcpy_2d, memcpy_2d_available
 from radix_runtime.worker.kernels._triton import HAVE_TRITON
 from radix_runtime.worker.kernels.page_copy import buffer_table, page_copy, page_copy_reference
 from radix_runtime.worker.kv_pool import KVPool, available_cpu_memory
@@ -143,10 +142,7 @@ class HostKVPool:
         device_pool: KVPool,
         num_pages: int,
         staging_bytes: int = STAGING_BYTES,
-        layered: bool = False,
     ) -> None:
-        """`layered` (CUDA): loads go layer by layer and the step waits for each layer's pages
-        only before that layer's attention (`take_layer_waits`; --hicache-load layer)."""
         self.dev = device_pool
         self.num_pages = num_pages
         self.cuda = device_pool.device.type == "cuda"
@@ -162,26 +158,16 @@ class HostKVPool:
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size()
         # the staging buffer (CUDA): whole pages on the device, used by the side stream only
         self.chunk_pages = max(1, min(staging_bytes // self.page_bytes, d.num_pages))
-        self.stream = self.staging = self.scatter_stream = None
-        # layer by layer: one strided copy per run and layer (cudaMemcpy2DAsync), scattered on
-        # a second stream so the copy engine never waits for a scatter
-        self.layered = self.cuda and layered and memcpy_2d_available()
-        if self.cuda and layered and not self.layered:
-            logger.warning("no cudaMemcpy2DAsync: host-tier loads wait for the whole load")
-        # each layer's loads the next step's attention of that layer waits for (layered)
-        self._layer_waits: list[list[torch.cuda.Event]] = [[] for _ in range(d.num_layers)]
+        self.stream = self.staging = None
         if self.cuda:
             self.stream = torch.cuda.Stream(d.device)
-            if self.layered:
-                self.scatter_stream = torch.cuda.Stream(d.device)
             with torch.cuda.stream(self.stream):
                 self.staging = torch.empty(
                     (self.chunk_pages, *page), dtype=d.dtype, device=d.device
                 )
         self._last_write_event: torch.cuda.Event | None = None
-        # loads no step has waited for yet (copy's `needs`): (end event, device pages, the
-        # per-layer events when layered, else None)
-        self._pending: list[tuple[torch.cuda.Event, np.ndarray, list | None]] = []
+        # loads no step has waited for yet (copy's `needs`): (end event, device pages)
+        self._pending: list[tuple[torch.cuda.Event, np.ndarray]] = []
         # the copies move bytes: integer views of the same element size (index_copy_ has no
         # FP8 kernels)
         self._k = [_as_bits(b) for b in d.k_buffers]
@@ -194,11 +180,6 @@ class HostKVPool:
         self._kv = [b for i in range(d.num_layers) for b in (self._k[i], self._v[i])]
         self._table = buffer_table(self._kv) if self.cuda and HAVE_TRITON else None
         self.row = d.page_size * d.kv_heads * d.head_dim  # elements of one page of one buffer
-        # one layer of a page (its K and V): the rows of a layered load; the staging buffer
-        # seen as rows of one layer-page each
-        self.layer_bytes = self.page_bytes // d.num_layers
-        if self.layered:
-            self._staging_rows = self._staging.view(-1, *self._staging.shape[2:])
         if not self.cuda:  # numpy views of both pools: its fancy indexing copies whole rows
             flat = (num_pages, 2 * d.num_layers, *page[2:])
             self._np_pool = self._buffer.numpy().reshape(flat)
@@ -211,7 +192,7 @@ class HostKVPool:
     def _compile_page_copies(self) -> None:
         """Compile page_copy's launches now, not on the worker's thread in the middle of a batch
         (every copy queued behind a compile of a second or more): the reserved page 0
-        gathered into the staging buffer and scattered back, every layer and (layered) one.
+        gathered into the staging buffer and scattered back.
         The copy stream first waits for the compute stream: the address table and the pool's
         zero fill were queued there (as is every kernel before the pool was made)."""
         self.stream.wait_stream(torch.cuda.current_stream(self.dev.device))
@@ -219,8 +200,6 @@ class HostKVPool:
             idx = torch.zeros(1, dtype=torch.int64, device=self.dev.device)  # filled on this stream
             self._gather_device(idx, self._staging[:1])
             self._scatter_device(idx, self._staging[:1])
-            if self.layered:
-                self._scatter_device(idx, self._staging_rows[:1], layer=0)
         self.stream.synchronize()
 
     @property
@@ -283,14 +262,10 @@ class HostKVPool:
                 write_waited=write_waits,
             )
         compute = torch.cuda.current_stream(self.dev.device)
-        # layered loads no step took (the runner takes them all): waited for here
-        untaken = self.take_layer_waits()
         before = None  # the compute stream, before it waits for any copy
-        if self._last_write_event is not None or len(write_src) or len(load_src) or untaken:
+        if self._last_write_event is not None or len(write_src) or len(load_src):
             before = torch.cuda.Event(enable_timing=True)
             before.record(compute)
-        for event in [e for events in untaken or () for e in events]:
-            compute.wait_event(event)
         if self._last_write_event is not None:
             compute.wait_event(self._last_write_event)  # the previous batch's writes
             self._last_write_event = None
@@ -352,17 +327,13 @@ class HostKVPool:
         else:
             page_copy_reference(self._kv, idx, out, gather=True)
 
-    def _scatter_device(
-        self, idx: torch.Tensor, pages: torch.Tensor, layer: int | None = None
-    ) -> None:
+    def _scatter_device(self, idx: torch.Tensor, pages: torch.Tensor) -> None:
         """`pages` [len(idx), layers, 2, ...] -> device pages `idx`: one kernel over every layer
-        (page_copy), else one index copy per buffer. `layer`: `pages` [len(idx), 2, ...] holds
-        only that layer's K and V."""
-        which = slice(None) if layer is None else slice(2 * layer, 2 * layer + 2)
+        (page_copy), else one index copy per buffer."""
         if self._table is not None:
-            page_copy(self._table[which], idx, pages, self.row, gather=False)
+            page_copy(self._table, idx, pages, self.row, gather=False)
         else:
-            page_copy_reference(self._kv[which], idx, pages, gather=False)
+            page_copy_reference(self._kv, idx, pages, gather=False)
 
     def _count(self, ids: np.ndarray, load: bool) -> tuple[np.ndarray, np.ndarray]:
         starts, lengths = consecutive_runs(ids)
@@ -419,11 +390,9 @@ class HostKVPool:
 
     def _load_async(self, src: np.ndarray, dst: np.ndarray, compute, wait: bool, needs=None):
         """The loads (sorted by host page): those into `needs` first, the compute stream waiting
-        for them (layered: each layer's attention for that layer's pages, `take_layer_waits`);
-        the rest after them, held in `_pending` (all of them are `needs` with None)."""
+        for them; the rest after them, held in `_pending` (all of them are `needs` with None)."""
         own = np.ones(len(dst), bool) if needs is None else np.isin(dst, needs)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        held_layers = None
         # the device pages of both groups (own first) in one small copy, queued before `start`
         # so the load's time is its copies and scatters
         idx_all = _pinned_ids(np.concatenate([dst[own], dst[~own]]))
@@ -432,30 +401,19 @@ class HostKVPool:
             if wait:
                 self.stream.wait_stream(compute)
             idx_all = idx_all.to(self.dev.device, non_blocking=True)
-            if self.layered:
-                idx_all.record_stream(self.scatter_stream)
             start.record(self.stream)
             if n_own:
-                if self.layered:
-                    for waits, event in zip(
-                        self._layer_waits, self._load_layers(src[own], idx_all[:n_own])
-                    ):
-                        waits.append(event)
-                else:
-                    self._load_group(src[own], idx_all[:n_own])
-                    if not own.all():
-                        own_end = torch.cuda.Event()
-                        own_end.record(self.stream)
-                        compute.wait_event(own_end)
+                self._load_group(src[own], idx_all[:n_own])
+                if not own.all():
+                    own_end = torch.cuda.Event()
+                    own_end.record(self.stream)
+                    compute.wait_event(own_end)
             if not own.all():
-                if self.layered:
-                    held_layers = self._load_layers(src[~own], idx_all[n_own:])
-                else:
-                    self._load_group(src[~own], idx_all[n_own:])
+                self._load_group(src[~own], idx_all[n_own:])
             end.record(self.stream)
         if not own.all():
-            self._pending.append((end, dst[~own], held_layers))
-        elif not self.layered:
+            self._pending.append((end, dst[~own]))
+        else:
             compute.wait_event(end)
         return start, end
 
@@ -470,77 +428,25 @@ class HostKVPool:
             self._copy_runs(src, starts, lengths, a, b, load=True)
             self._scatter_device(idx[a:b], self._staging[: b - a])
 
-    def _load_layers(self, src: np.ndarray, idx: torch.Tensor) -> list[torch.cuda.Event]:
-        """Queue loads layer by layer (the copy stream is the current stream): per layer, one
-        strided copy per run of consecutive host pages (that layer's K and V of each page,
-        `page_bytes` apart in the pool) into a region of the staging buffer, then that layer's
-        scatter into the device pool on the scatter stream. The regions go round the staging
-        buffer, a region reused once its scatter is done, so the copy engine runs layer after
-        layer without waiting for the scatters. Returns, per layer, the event after its
-        scatter."""
-        starts, lengths = self._count(src, load=True)
-        rows, lb, pb = self._staging_rows, self.layer_bytes, self.page_bytes
-        layers, handle = self.dev.num_layers, self.stream.cuda_stream
-        base = self.buffer.data_ptr()
-        events: list[torch.cuda.Event] = [None] * layers
-        for a, b in self._chunks_of(len(src), len(rows)):
-            n = b - a
-            slots = len(rows) // n
-            done: list[torch.cuda.Event] = []  # each use's scatter, in order
-            runs = list(_runs_in(starts, lengths, a, b))
-            for layer in range(layers):
-                if len(done) >= slots:  # the region's previous layer is scattered
-                    self.stream.wait_event(done[len(done) - slots])
-                region = rows[(layer % slots) * n : (layer % slots + 1) * n]
-                out = region.data_ptr()
-                for j, r in runs:
-                    host = base + (int(src[j]) * layers + layer) * lb
-                    memcpy_2d(out + (j - a) * lb, lb, host, pb, lb, r, handle)
-                copied = torch.cuda.Event()
-                copied.record(self.stream)
-                self.scatter_stream.wait_event(copied)
-                with torch.cuda.stream(self.scatter_stream):
-                    self._scatter_device(idx[a:b], region, layer)
-                    scattered = torch.cuda.Event()
-                    scattered.record(self.scatter_stream)
-                done.append(scattered)
-                events[layer] = scattered
-            # the staging buffer is the copy stream's again (the next chunk, batch, write)
-            self.stream.wait_event(done[-1])
-        return events
-
     @staticmethod
     def _chunks_of(n: int, size: int):
         for a in range(0, n, size):
             yield a, min(a + size, n)
 
-    def take_layer_waits(self) -> list[list[torch.cuda.Event]] | None:
-        """Layered loads: per layer, the events the next step's attention of that layer waits
-        for (its own loads, and held loads into its pages: `wait_pending`), handed over once;
-        None when there are none."""
-        waits, self._layer_waits = self._layer_waits, [[] for _ in self._layer_waits]
-        waits = [[e for e in events if not e.query()] for events in waits]  # done: no wait
-        return waits if any(waits) else None
-
     def wait_pending(self, pages: StepPages) -> CopyTiming | None:
         """Before a step that reads or writes `pages`: the compute stream waits for the loads
-        still held (`copy`'s `needs`) into any of them (layered: each layer's attention for
-        that layer's copies, `take_layer_waits`); the loads that are done are dropped. The
+        still held (`copy`'s `needs`) into any of them; the loads that are done are dropped. The
         wait's timing (CUDA events), or None when nothing was waited for here."""
         if not self._pending:
             return None
         waits, keep = [], []
-        for event, dst, layers in self._pending:
+        for event, dst in self._pending:
             if event.query():
                 continue
             if _touches(dst, pages.read) or _touches(dst, pages.written):
-                if layers is None:
-                    waits.append(event)
-                else:
-                    for w, e in zip(self._layer_waits, layers):
-                        w.append(e)
+                waits.append(event)
             else:
-                keep.append((event, dst, layers))
+                keep.append((event, dst))
         self._pending = keep
         if not waits:
             return None
@@ -551,15 +457,6 @@ class HostKVPool:
             compute.wait_event(event)
         after.record(compute)
         return CopyTiming(wait=(before, after))
-
-    def flush_layer_waits(self) -> CopyTiming | None:
-        """The compute stream waits now for every layered load handed to no step yet (a step
-        that cannot wait layer by layer: a CUDA graph replay). Its timing, or None."""
-        waits = self.take_layer_waits()
-        if waits is None:
-            return None
-        lw = LayerWaits(waits)
-        return lw.finish()
 
     def synchronize(self) -> None:
         """Every queued copy done (tests, shutdown)."""
@@ -592,8 +489,7 @@ class CopyTiming:
 
     load: tuple | float | None = None  # the loads (CUDA: on the side stream)
     load_bytes: int = 0  # the bytes they move
-    # the model's wait for the copies (CUDA: compute stream; a list: one per layer waited)
-    wait: tuple | list | float | None = None
+    wait: tuple | float | None = None  # the model's wait for the copies (CUDA: compute stream)
     issue_s: float = 0.0  # the host's time in `copy` (CUDA: queueing the copies)
     load_waited: bool = False  # the loads waited for the running steps (a page of theirs)
     write_waited: bool = False  # the writes did
@@ -607,43 +503,7 @@ class CopyTiming:
 def _done(timing) -> bool:
     if timing is None or isinstance(timing, float):
         return True
-    if isinstance(timing, list):
-        return all(_done(t) for t in timing)
     return timing[1].query()
-
-
-class LayerWaits:
-    """One step's waits for the layered loads (`HostKVPool.take_layer_waits`): the attention
-    backend calls `before(layer)` before a layer reads the KV pool, and the compute stream waits
-    there for that layer's pages only; `finish` (after the model) waits for the layers no
-    attention reached and returns the waits' timing (CUDA events around each wait)."""
-
-    def __init__(self, waits: list[list[torch.cuda.Event]]) -> None:
-        self.waits = waits
-        self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def before(self, layer: int) -> None:
-        events = self.waits[layer]
-        if not events:
-            return
-        self.waits[layer] = []
-        self._wait(events)
-
-    def _wait(self, events: list[torch.cuda.Event]) -> None:
-        compute = torch.cuda.current_stream()
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(compute)
-        for event in events:
-            compute.wait_event(event)
-        after.record(compute)
-        self.timing.append((before, after))
-
-    def finish(self) -> CopyTiming | None:
-        left = [e for events in self.waits for e in events]
-        self.waits = [[] for _ in self.waits]
-        if left:
-            self._wait(left)
-        return CopyTiming(wait=list(self.timing)) if self.timing else None
 
 
 def _seconds(timing) -> float:
@@ -651,8 +511,6 @@ def _seconds(timing) -> float:
         return 0.0
     if isinstance(timing, float):
         return timing
-    if isinstance(timing, list):  # several waits (LayerWaits)
-        return sum(_seconds(t) for t in timing)
     start, end = timing
     end.synchronize()
     return max(start.elapsed_time(end), 0.0) / 1e3

@@ -47,7 +47,6 @@ from radix_runtime.worker.host_copy import to_device
 from radix_runtime.worker.host_pool import (
     CopyTiming,
     HostKVPool,
-    LayerWaits,
     StepPages,
     host_pool_pages,
     measure_load_bandwidth,
@@ -355,12 +354,11 @@ class ModelRunner:
             c.num_layers, c.num_kv_heads, c.head_dim, self.kv_pool.dtype
         )
         pages = host_pool_pages(self.kv_pool, args.hicache_size, args.hicache_ratio, per_token)
-        pool = HostKVPool(self.kv_pool, pages, layered=args.hicache_load == "layer")
+        pool = HostKVPool(self.kv_pool, pages)
         self.load_bandwidth = measure_load_bandwidth(self.device)
         logger.info(
-            "host KV tier: %d pages, %.2f GiB%s; load bandwidth %.1f GB/s%s",
+            "host KV tier: %d pages, %.2f GiB%s; load bandwidth %.1f GB/s",
             pages, pool.nbytes / 2**30, " pinned" if pool.cuda else "", self.load_bandwidth / 1e9,
-            ", loads layer by layer" if pool.layered else "",
         )  # fmt: skip
         return pool
 
@@ -424,9 +422,7 @@ class ModelRunner:
         if self.threads:
             self._cpu_threads_for(layout.meta.num_tokens, len(batch.reqs))
         self._in_flight[pending.step] = layout.pages
-        # the host tier's layered loads this step reads (HostKVPool.take_layer_waits)
-        waits = self.host_pool.take_layer_waits() if self.host_pool is not None else None
-        logits = self._logits(layout, keep_logits, waits, pending)
+        logits = self._logits(layout, keep_logits)
         pending.deferred = (layout, logits, keep_logits)
         if not (
             defer_sample and self.sampler.has_grammar([r.slot for r in batch.reqs if r.sample])
@@ -622,34 +618,19 @@ class ModelRunner:
         event.record()
         return host, event
 
-    def _logits(
-        self,
-        layout: _StepLayout,
-        keep: bool,
-        waits: list | None = None,
-        pending: PendingStep | None = None,
-    ) -> torch.Tensor:
+    def _logits(self, layout: _StepLayout, keep: bool) -> torch.Tensor:
         """float32 logits of `layout.logit_rows`: a CUDA graph replay for decode-only batches
         that fit one, or for prefill/mixed batches that fit a captured shape and want no prompt
         logprobs (a graph's output buffer is reused by the next replay: `keep` copies it out),
-        else plan + an eager forward. `waits`: the host tier's layered loads the step reads
-        (per layer, still running); the step then runs eagerly (not as a prefill graph), each
-        layer's attention waiting for that layer's pages only (a decode graph waits for all of
-        them first). Their timing goes to `pending.early`."""
+        else plan + an eager forward."""
         meta = layout.meta
         logits = None
-        layer_waits = LayerWaits(waits) if waits is not None else None
         # the graphs read the token ids from the device tensor: from_last_sample rows are only
         # known there (meta.input_ids_cpu holds 0 for them)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
-            if layer_waits is not None:  # a graph cannot wait layer by layer: all of them first
-                self._note_wait(layer_waits, pending)
             logits = self.cuda_graphs.replay(meta, layout.input_ids)
-        elif (
-            layer_waits is None
-            and self.extend_graphs is not None
-            and all(b - a <= 1 for a, b in layout.logit_ranges)
-        ):  # None: no captured shape holds it (a step with layered loads runs eagerly)
+        elif self.extend_graphs is not None and all(b - a <= 1 for a, b in layout.logit_ranges):
+            # None when no captured shape holds the step
             logits = self.extend_graphs.replay(meta, layout.input_ids)
         if logits is not None:  # one row per request, its last
             if len(layout.logit_rows) < meta.batch_size:  # some chunk samples nothing
@@ -657,24 +638,11 @@ class ModelRunner:
                 return logits[to_device(wanted, torch.long, self.device)]
             return logits.clone() if keep else logits
         self.attn.plan(meta)
-        self.attn.kv_waits = layer_waits
-        try:
-            hidden = self.model(layout.input_ids, meta.positions, self.attn, self.kv_pool)
-        finally:
-            self.attn.kv_waits = None
-        if layer_waits is not None:
-            self._note_wait(layer_waits, pending)
+        hidden = self.model(layout.input_ids, meta.positions, self.attn, self.kv_pool)
         rows = to_device(layout.logit_rows, torch.long, self.device)
         if self.threads:  # the LM head is one large matmul: all threads, whatever the step
             self._set_cpu_threads(self.threads)
         return self.model.compute_logits(hidden[rows])
-
-    @staticmethod
-    def _note_wait(layer_waits: LayerWaits, pending: PendingStep | None) -> None:
-        """Wait for the layers no attention waited for and time the step's layered waits."""
-        timing = layer_waits.finish()
-        if timing is not None and pending is not None:
-            pending.early.append(timing)
 
     # ------------------------------------------------------------------------------------------
     # step preparation

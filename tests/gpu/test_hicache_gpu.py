@@ -16,7 +16,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from radix_runtime.worker.host_pool import (  # noqa: E402
     HostKVPool,
-    LayerWaits,
     StepPages,
     measure_load_bandwidth,
 )
@@ -130,10 +129,10 @@ def test_loads_for_later_steps_do_not_hold_this_step_and_the_step_reading_them_w
               needs=np.array([5], np.int32))  # fmt: skip
     own = torch.cuda.Event()
     own.record()  # after the compute stream's wait for page 5's load (not page 7's)
-    assert [d.tolist() for _, d, _ in host._pending] == [[8], [7]]
+    assert [d.tolist() for _, d in host._pending] == [[8], [7]]
     assert host.wait_pending(StepPages(read=np.array([1, 2], np.int32), written=none)) is None
     waited = host.wait_pending(StepPages(read=np.array([3], np.int32), written=np.array([8])))
-    assert waited is not None and [d.tolist() for _, d, _ in host._pending] == [[7]]
+    assert waited is not None and [d.tolist() for _, d in host._pending] == [[7]]
     dev.k_buffers[0][8].add_(1)  # the step writing page 8 runs after its load
     torch.cuda.synchronize()
     assert own.query() and torch.all(dev.k_buffers[0][5] == 1)
@@ -208,90 +207,6 @@ def test_copies_on_cuda_equal_the_cpu_path():
             buf.normal_()
 
 
-def test_copies_layer_by_layer_on_cuda_equal_the_cpu_path():
-    """--hicache-load layer: the same random batches through a layered CUDA pool (strided
-    copies per layer, scatters on a second stream, the staging regions going round) and a CPU
-    pool give the same pages; a staging buffer of 5 pages (20 layer rows: the 12 loads of a
-    batch reuse regions) and of 2 (8 rows: the loads split in chunks). Half the loads are for
-    the batch's own step, half held for a later one (`wait_pending`)."""
-    rng = np.random.default_rng(1)
-    cuda_dev, _ = _pools(page_size=4)
-    cpu_dev = KVPool(4, 64, 4, 2, 64, torch.bfloat16, torch.device("cpu"))
-    per_page = KVPool.bytes_per_token(4, 2, 64, torch.bfloat16) * 4
-    none = np.zeros(0, np.int32)
-    for staging in (5, 2):
-        layered = HostKVPool(cuda_dev, 96, staging_bytes=staging * per_page, layered=True)
-        assert layered.layered
-        pools = [layered, HostKVPool(cpu_dev, 96)]
-        for p in pools:
-            p.buffer.zero_()
-        for step in range(4):
-            for a, b in zip(
-                cuda_dev.k_buffers + cuda_dev.v_buffers, cpu_dev.k_buffers + cpu_dev.v_buffers
-            ):
-                b.copy_(a.cpu())
-            ws = rng.choice(np.arange(1, 64), 20, replace=False).astype(np.int32)
-            wd = rng.integers(1, 96, 20).astype(np.int32)
-            ls = rng.choice(np.arange(1, 96), 12, replace=False).astype(np.int32)
-            ld = rng.choice(np.arange(1, 64), 12, replace=False).astype(np.int32)
-            for p in pools:
-                p.copy(ws, wd, ls, ld, bool(step % 2), needs=ld[:6])
-            layered.wait_pending(StepPages(read=ld[6:], written=none))
-            layered.flush_layer_waits()
-            torch.cuda.synchronize()
-            assert torch.equal(pools[0].buffer, pools[1].buffer)
-            for a, b in zip(
-                cuda_dev.k_buffers + cuda_dev.v_buffers, cpu_dev.k_buffers + cpu_dev.v_buffers
-            ):
-                assert torch.equal(a.cpu(), b), (staging, step)
-            for buf in cuda_dev.k_buffers + cuda_dev.v_buffers:
-                buf.normal_()
-
-
-def test_a_layered_load_is_waited_for_layer_by_layer():
-    """Each layer's pages are ready when that layer's wait passes: the copy stream is held
-    back by a sleep, and a read of each layer after `LayerWaits.before(layer)` (as the
-    attention does) sees the loaded values (it would see the old ones without the wait)."""
-    dev, host = _pools(layered=True)
-    for i in range(dev.num_layers):
-        host.buffer[9, i].fill_(i + 1)
-    none = np.zeros(0, np.int32)
-    torch.cuda.synchronize()
-    with torch.cuda.stream(host.stream):
-        torch.cuda._sleep(int(3e8))
-    handle = host.copy(none, none, np.array([9], np.int32), np.array([5], np.int32), False)
-    waits = host.take_layer_waits()
-    assert waits is not None and all(len(w) == 1 for w in waits)
-    assert len({id(w[0]) for w in waits}) == dev.num_layers  # one event per layer
-    assert host.take_layer_waits() is None  # handed over once
-    lw = LayerWaits(waits)
-    got = []
-    for i in range(dev.num_layers):
-        lw.before(i)
-        got.append((dev.k_buffers[i][5].clone(), dev.v_buffers[i][5].clone()))
-    timing = lw.finish()
-    torch.cuda.synchronize()
-    for i, (k, v) in enumerate(got):
-        assert torch.all(k == i + 1) and torch.all(v == i + 1)
-    assert HostKVPool.wait_time(timing) > 0 and HostKVPool.load_time(handle) > 0
-    # a load done before the step is not waited for
-    host.copy(none, none, np.array([10], np.int32), np.array([6], np.int32), False)
-    torch.cuda.synchronize()
-    assert host.take_layer_waits() is None
-
-
-def test_memcpy_2d_copies_strided_rows():
-    from radix_runtime.worker.host_copy import memcpy_2d, memcpy_2d_available
-
-    assert memcpy_2d_available()
-    host = torch.randint(0, 255, (10, 4, 256), dtype=torch.uint8).pin_memory()
-    out = torch.zeros(6, 256, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    memcpy_2d(out.data_ptr(), 256, host[2, 1].data_ptr(), 4 * 256, 256, 6, stream)
-    torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), host[2:8, 1])
-
-
 def test_fp8_pages_round_trip():
     dev = KVPool(2, 32, 1, 2, 64, torch.float8_e4m3fn, torch.device("cuda"))
     for buf in dev.k_buffers + dev.v_buffers:
@@ -338,8 +253,8 @@ def test_outputs_with_the_host_tier_on_cuda(monkeypatch):
 def test_prefetched_loads_sent_while_steps_run_keep_outputs_on_cuda():
     """--hicache-prefetch arrival on CUDA: the loads of requests that arrive while steps are in
     flight go to the runner at once (`ModelRunner.early_copies`, as the scheduler process sends
-    them), on the copy stream beside those steps; greedy outputs equal cache off, with the
-    loads waited for layer by layer (--hicache-load layer, CUDA graphs off and on) or whole."""
+    them), on the copy stream beside those steps; greedy outputs equal cache off (page size 1
+    and 16, CUDA graphs off and on)."""
     pytest.importorskip("flashinfer")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
     import test_cache_equivalence as eq
@@ -349,25 +264,20 @@ def test_prefetched_loads_sent_while_steps_run_keep_outputs_on_cuda():
     from radix_runtime.config import ServerArgs
     from radix_runtime.worker.model_runner import ModelRunner
 
-    cases = [(1, 96, "layer", True), (16, 128, "layer", True), (16, 128, "step", True),
-             (16, 128, "layer", False)]  # fmt: skip
-    for page_size, pool, load, no_graphs in cases:
-        # graphs on: a step with layered loads still running goes eagerly (no prefill graph)
+    for page_size, pool, no_graphs in [(1, 96, True), (16, 128, True), (16, 128, False)]:
         args = ServerArgs(model="tiny-llama", load_format="dummy", model_config="tiny-llama",
                           page_size=page_size, max_total_tokens=pool, chunked_prefill_size=32,
                           max_running_requests=3, device="cuda", disable_cuda_graph=no_graphs,
                           cuda_graph_max_bs=4, cuda_graph_max_extend_tokens=64,
-                          enable_hierarchical_cache=True, hicache_ratio=8.0,
-                          hicache_load=load)  # fmt: skip
+                          enable_hierarchical_cache=True, hicache_ratio=8.0)  # fmt: skip
         runner = ModelRunner(args)
-        assert runner.host_pool.layered == (load == "layer")
         prompts, arrivals = hq.staggered(runner.ready_info().vocab_size)
         greedy = m.SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
         off, _ = eq.run(runner, args.replace(disable_radix_cache=True), prompts, greedy, arrivals)
         for impl in ("python", "cpp"):
             on, sched = eq.run(runner, args.replace(radix_tree_impl=impl), prompts, greedy,
                                arrivals, early=True)  # fmt: skip
-            assert on == off, (page_size, impl, load, no_graphs)
+            assert on == off, (page_size, impl, no_graphs)
             assert sched.counters.host_prefetches > 0 and sched.counters.host_early_copies > 0
 
 

@@ -232,22 +232,3 @@ def test_a_batch_reports_whether_its_copies_wait_for_the_running_steps():
     assert everything.load_waited and everything.write_waited
     idle = copy([], [], [], [])
     assert not idle.load_waited and not idle.write_waited
-
-
-def test_hicache_load_flag_and_the_cpu_pool_loads_whole():
-    """--hicache-load step (default) | layer; off CUDA a pool asked for layered loads copies
-    synchronously as always and hands no step layer waits."""
-    from radix_runtime.config import ServerArgs, parse_server_args
-
-    assert ServerArgs().hicache_load == "step"
-    assert parse_server_args(["--model", "m", "--hicache-load", "layer"]).hicache_load == "layer"
-    with pytest.raises(ValueError, match="--hicache-load"):
-        ServerArgs(hicache_load="bogus").validate()
-    dev = KVPool(2, 16, 1, 2, 8, torch.float32, torch.device("cpu"))
-    host = HostKVPool(dev, 8, layered=True)
-    assert not host.layered
-    host.buffer.normal_()
-    none = np.zeros(0, np.int32)
-    host.copy(none, none, np.array([3], np.int32), np.array([5], np.int32), False)
-    assert torch.equal(dev.k_buffers[1][5], host.buffer[3, 1, 0])
-    assert host.take_layer_waits() is None

@@ -3,8 +3,7 @@
 The runner builds one `AttentionMetadata` per forward step (the paged layout of every request
 in the batch, in the CSR form FlashInfer uses), calls `backend.plan(meta)` once, and then each
 layer calls `backend.forward(layer_id, q, k, v, kv_pool)`, which stores the new K/V into their
-pages and returns the attention output (after waiting, with `kv_waits` set, for that layer's
-pages loaded from the host tier). Backends keep whatever they derive in `plan` (gather
+pages and returns the attention output. Backends keep whatever they derive in `plan` (gather
 indices, masks, FlashInfer wrapper state) until the next `plan`.
 """
 
@@ -72,10 +71,6 @@ class AttentionBackend(ABC):
     """One instance per runner. Heads are [num_heads | num_kv_heads] x head_dim; GQA is allowed."""
 
     name: str = "base"
-    # the host tier's layer-by-layer loads for the step being run (worker/host_pool.py
-    # LayerWaits, set by the runner around an eager forward): `forward` calls
-    # `kv_waits.before(layer_id)` before it touches the KV pool
-    kv_waits = None
     supports_cuda_graph = False  # True: has init_cuda_graph_state / plan_cuda_graph
     # True: has init_extend_graph_state / plan_extend_graph (graphs of prefill/mixed batches)
     supports_extend_graph = False

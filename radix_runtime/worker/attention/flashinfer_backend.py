@@ -238,8 +238,6 @@ class FlashInferBackend(AttentionBackend):
         v: torch.Tensor,
         kv_pool: KVPool,
     ) -> torch.Tensor:
-        if self.kv_waits is not None:  # the host tier's loads of this layer's pages
-            self.kv_waits.before(layer_id)
         k_cache, v_cache = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
         ks, vs = self.k_scales[layer_id], self.v_scales[layer_id]
         pdl = self.kernels.use_pdl()  # (a kernel launched after these waits for them as usual)

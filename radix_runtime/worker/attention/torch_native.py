@@ -228,8 +228,6 @@ class TorchNativeBackend(AttentionBackend):
         v: torch.Tensor,
         kv_pool: KVPool,
     ) -> torch.Tensor:
-        if self.kv_waits is not None:  # the host tier's loads of this layer's pages
-            self.kv_waits.before(layer_id)
         kv_pool.store(layer_id, self._out_cache_loc, k, v)
         k_all, v_all = kv_pool.k_flat(layer_id), kv_pool.v_flat(layer_id)
         # an FP8 pool is read back through its scales (`_sdpa` dequantizes what it gathered)
