@@ -124,47 +124,40 @@ RR_AVX512 inline __m512i block_lanes() {
   return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 
-RR_AVX512 inline __m512 max_of_each(const __m512* a) {
+// The rounds for either reduction: `op` combines two vectors lane by lane (the shuffles move
+// 32-bit lanes whatever they hold, so an integer sum goes through the float view).
+template <typename Op>
+RR_AVX512 inline __m512 reduce_each(const __m512* a, Op op) {
   __m512 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i) {
-    x[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    x[i] = op(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
   }
   for (int i = 0; i < 4; ++i) {
-    y[i] = _mm512_max_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    y[i] = op(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+              _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
   }
   for (int i = 0; i < 2; ++i) {
-    z[i] = _mm512_max_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+    z[i] = op(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
+              _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
   }
-  const __m512 r =
-      _mm512_max_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  const __m512 r = op(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
   return _mm512_permutexvar_ps(block_lanes(), r);
 }
 
-RR_AVX512 inline __m512 as_ps(__m512i v) { return _mm512_castsi512_ps(v); }
-RR_AVX512 inline __m512i as_epi32(__m512 v) { return _mm512_castps_si512(v); }
+struct MaxPs {
+  RR_AVX512 __m512 operator()(__m512 p, __m512 q) const { return _mm512_max_ps(p, q); }
+};
+struct AddEpi32 {
+  RR_AVX512 __m512 operator()(__m512 p, __m512 q) const {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_castps_si512(q)));
+  }
+};
+
+RR_AVX512 inline __m512 max_of_each(const __m512* a) { return reduce_each(a, MaxPs{}); }
 
 RR_AVX512 inline __m512i sum_of_each(const __m512i* a) {
-  __m512i x[8], y[4], z[2];
-  for (int i = 0; i < 8; ++i) {
-    x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x44),
-                            _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {
-    y[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0x88),
-                            _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {
-    const __m512 lo = as_ps(y[2 * i]), hi = as_ps(y[2 * i + 1]);
-    z[i] = _mm512_add_epi32(as_epi32(_mm512_shuffle_ps(lo, hi, 0x44)),
-                            as_epi32(_mm512_shuffle_ps(lo, hi, 0xEE)));
-  }
-  const __m512 lo = as_ps(z[0]), hi = as_ps(z[1]);
-  const __m512i r = _mm512_add_epi32(as_epi32(_mm512_shuffle_ps(lo, hi, 0x88)),
-                                     as_epi32(_mm512_shuffle_ps(lo, hi, 0xDD)));
-  return _mm512_permutexvar_epi32(block_lanes(), r);
+  return _mm512_castps_si512(reduce_each(reinterpret_cast<const __m512*>(a), AddEpi32{}));
 }
 
 // The same arithmetic as quantize_row_scalar (max, one division, one reciprocal, x * id rounded
