@@ -81,6 +81,7 @@ class StepParts:
         self.heads, self.kv_heads, self.dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = r.attn.scale
         layers = r.model.model.layers
+        self.num_layers = len(layers)
         self.proj = {
             "qkv": [layer.self_attn.qkv_proj for layer in layers],
             "o": [layer.self_attn.o_proj for layer in layers],
@@ -148,7 +149,7 @@ class StepParts:
             q_c = q.transpose(0, 1).unsqueeze(0)
 
             def attention():  # torch_native: the prompt's keys a view of the pool, causal
-                for _ in range(30):
+                for _ in range(self.num_layers):
                     k_c, v_c = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
                     F.scaled_dot_product_attention(
                         q_c, k_c, v_c, is_causal=True, scale=self.scale, enable_gqa=True
@@ -156,7 +157,7 @@ class StepParts:
         else:
 
             def attention():  # the pool's keys, written by the prefix's step
-                for i in range(30):
+                for i in range(self.num_layers):
                     self.ext.chunk_attention(
                         q, pool.k_flat(i), pool.v_flat(i), self.turn_locs, self.cached, self.scale
                     )
