@@ -13,7 +13,6 @@ the first one (the reference).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import LaunchedServer, exit_on_sigterm, provenance
-from bench.cpu_decode import commit, complete, cpu_model, long_prompt
+from bench.cpu_decode import complete, long_prompt
 
 
 def main() -> None:
@@ -74,9 +73,6 @@ def main() -> None:
                 f"the {formats[0]} server's prefill, same run, rounds alternated",
                 server_flags=" ".join(flags) + " --cpu-weight-format FORMAT",
             ),
-            "commit": commit(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "cpu_model": cpu_model(),
             "threads": args.threads,
             "prompt": "bench/cpu_decode.py long_prompt (~890 tokens), fresh each request",
             "rows": rows,
